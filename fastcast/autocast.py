@@ -1,0 +1,82 @@
+"""``fc.autocast``: the context manager that turns FP8 on for the modules inside it."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .hardware import default_recipe, recipe_type_problem
+from .state import AutocastFrame, ThreadState, get_thread_state, thread_state
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
+    """Run the ``fc.Linear`` modules inside the block with ``recipe``.
+
+    Nests to any depth (the innermost wins) and restores the previous state exactly on
+    exit, exceptions included. An instance may be entered again once it has exited, but
+    not while it is active. Usable as a decorator.
+    """
+
+    # All fields are AutocastFrame's slots: entering makes this object the thread's
+    # current frame, so modules read the recipe with one attribute access.
+    __slots__ = ()
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        recipe: Any = None,
+        calibrating: bool = False,
+        amax_reduction_group: Any = None,
+    ) -> None:
+        self.enabled = enabled
+        self.recipe = default_recipe() if recipe is None else recipe
+        self.calibrating = calibrating
+        self.group = amax_reduction_group
+        self._prev = None
+
+    def __enter__(self) -> autocast:
+        try:
+            ts = get_thread_state()
+        except LookupError:  # this thread's first autocast
+            ts = thread_state()
+        self._ts = ts
+        if self.recipe is not ts.last_good_recipe:
+            self._check_recipe(ts)
+        if self._prev is not None:
+            raise RuntimeError("this fc.autocast instance is already active; create a new one")
+        self._prev = ts.frame
+        ts.frame = self
+        return self
+
+    def _check_recipe(self, ts: ThreadState) -> None:
+        # Raises for a non-recipe, or for a recipe this machine cannot run when enabled
+        # (a disabled level runs nothing). A recipe that passed is remembered per thread,
+        # so the usual loop over one recipe pays an identity test, not a look-up.
+        recipe = self.recipe
+        if recipe_type_problem.get(type(recipe), True) is not None:
+            recipe_type_problem.check(recipe, self.enabled)
+        if recipe_type_problem[type(recipe)] is None:
+            ts.last_good_recipe = recipe
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        ts = self._ts
+        ts.frame = self._prev
+        # Only threads that ran delayed-scaling modules have a registry; it decides
+        # whether this level ends the step (outermost enabled) and updates the scales.
+        if ts.registry is not None and exc_type is None:
+            ts.registry.frame_exited(self)
+        self._prev = None
+
+    def __call__(self, fn: F) -> F:
+        """Decorate ``fn`` so that every call runs inside a fresh autocast like this one."""
+        args = (self.enabled, self.recipe, self.calibrating, self.group)
+
+        @functools.wraps(fn)
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            with autocast(*args):
+                return fn(*a, **kw)
+
+        return wrapper  # type: ignore[return-value]

@@ -1,0 +1,214 @@
+"""What this machine can run, computed once per process.
+
+The GEMM backend for each scaling family is one of:
+
+- ``hardware``: ``torch._scaled_mm`` (CUDA FP8 tensor cores, or PyTorch's CPU kernel),
+- ``emulate``: dequantize to FP32 and matmul, exact to FP32 rounding, on any device.
+
+``FASTCAST_GEMM`` (``auto`` | ``hardware`` | ``emulate``) overrides the choice. Under
+``auto`` the CPU emulates what it has no kernel for, while a CUDA device must have the
+tensor cores for the family: a silent 10x slowdown on a GPU is worse than a clear error.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .recipe import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    Recipe,
+)
+
+GEMM_MODES = ("auto", "hardware", "emulate")
+
+# Scaling families: how operands carry their scales, which decides the GEMM kernel.
+TENSORWISE = "tensorwise"
+ROWWISE = "rowwise"
+BLOCKWISE = "blockwise"
+MXFP8 = "mxfp8"
+NVFP4 = "nvfp4"
+FAMILIES = (TENSORWISE, ROWWISE, BLOCKWISE, MXFP8, NVFP4)
+
+RECIPE_FAMILY: dict[type, str | None] = {
+    DelayedScaling: TENSORWISE,
+    Float8CurrentScaling: TENSORWISE,
+    Float8BlockScaling: BLOCKWISE,
+    MXFP8BlockScaling: MXFP8,
+    NVFP4BlockScaling: NVFP4,
+    CustomRecipe: None,  # its quantizers decide, GEMM by GEMM
+}
+
+# Lowest CUDA compute capability with tensor-core kernels for each family.
+_CUDA_MIN_CAPABILITY = {
+    TENSORWISE: (8, 9),
+    ROWWISE: (8, 9),
+    BLOCKWISE: (9, 0),
+    MXFP8: (10, 0),
+    NVFP4: (10, 0),
+}
+# Families PyTorch's CPU build has a _scaled_mm kernel for.
+_CPU_KERNELS = (TENSORWISE, ROWWISE)
+
+
+@functools.cache
+def gemm_mode() -> str:
+    """The ``FASTCAST_GEMM`` setting, validated; read once (see ``refresh``)."""
+    mode = os.environ.get("FASTCAST_GEMM", "auto").strip().lower() or "auto"
+    if mode not in GEMM_MODES:
+        raise ValueError(f"FASTCAST_GEMM must be one of {GEMM_MODES}, got {mode!r}")
+    return mode
+
+
+@functools.cache
+def cuda_capability() -> tuple[int, int] | None:
+    """Compute capability of the current CUDA device, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+def has_kernel(device_type: str, family: str) -> bool:
+    """Whether ``torch._scaled_mm`` has a kernel for this family on this device type."""
+    if device_type == "cpu":
+        return family in _CPU_KERNELS
+    if device_type == "cuda":
+        cap = cuda_capability()
+        return cap is not None and cap >= _CUDA_MIN_CAPABILITY[family]
+    return False
+
+
+@functools.cache
+def _backend(device_type: str, family: str, mode: str) -> tuple[str | None, str]:
+    if mode == "emulate":
+        return "emulate", "emulated (FASTCAST_GEMM=emulate)"
+    if has_kernel(device_type, family):
+        return "hardware", f"torch._scaled_mm on {device_type}"
+    if mode == "hardware":
+        return None, (
+            f"{family} scaling has no torch._scaled_mm kernel on {_describe(device_type)} "
+            "and FASTCAST_GEMM=hardware forbids emulation"
+        )
+    if device_type == "cuda":
+        need = ".".join(map(str, _CUDA_MIN_CAPABILITY[family]))
+        return None, (
+            f"{family} scaling needs a GPU of compute capability {need} or newer, "
+            f"this is {_describe(device_type)}; set FASTCAST_GEMM=emulate to run it emulated"
+        )
+    return "emulate", f"emulated on {device_type}"
+
+
+def gemm_backend(device_type: str, family: str) -> tuple[str | None, str]:
+    """``(backend, reason)``: backend is ``hardware``, ``emulate`` or None (unsupported)."""
+    return _backend(device_type, family, gemm_mode())
+
+
+def default_device_type() -> str:
+    """The device type training runs on by default: CUDA when present, else CPU."""
+    return "cuda" if cuda_capability() is not None else "cpu"
+
+
+def _describe(device_type: str) -> str:
+    if device_type == "cuda":
+        cap = cuda_capability()
+        if cap is None:
+            return "a machine without a CUDA device"
+        return f"{torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]})"
+    return device_type.upper()
+
+
+def recipe_support(recipe: Recipe, device_type: str | None = None) -> tuple[bool, str]:
+    """Whether ``recipe`` can run on this machine, and why (or why not)."""
+    family = RECIPE_FAMILY.get(type(recipe))
+    if family is None:
+        if isinstance(recipe, CustomRecipe):
+            return True, "custom recipe: its quantizers decide"
+        return False, f"unknown recipe type {type(recipe).__name__}"
+    backend, reason = gemm_backend(device_type or default_device_type(), family)
+    return backend is not None, reason
+
+
+@functools.cache
+def unsupported_reason(recipe_type: type) -> str | None:
+    """Why recipes of this type cannot run here, or None when they can (cached per type)."""
+    family = RECIPE_FAMILY.get(recipe_type)
+    if family is None:
+        return None if recipe_type is CustomRecipe else f"unknown recipe {recipe_type.__name__}"
+    backend, reason = gemm_backend(default_device_type(), family)
+    return None if backend is not None else reason
+
+
+def check_recipe_support(recipe: Recipe) -> None:
+    """Raise RuntimeError, with the reason, if this machine cannot run ``recipe``."""
+    reason = unsupported_reason(type(recipe))
+    if reason is not None:
+        raise RuntimeError(f"{type(recipe).__name__} cannot run here: {reason}")
+
+
+class _RecipeTypeProblems(dict):
+    """``type -> None | reason``: why recipes of a type cannot run here, filled on demand.
+
+    A plain dict look-up on the autocast hot path; ``check`` fills a missing entry and
+    raises for a non-recipe (always) or an unsupported recipe (when enabled).
+    """
+
+    def check(self, recipe: object, enabled: bool) -> None:
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a fastcast recipe, got {type(recipe).__name__}")
+        reason = self[type(recipe)] = unsupported_reason(type(recipe))
+        if reason is not None and enabled:
+            raise RuntimeError(f"{type(recipe).__name__} cannot run here: {reason}")
+
+
+recipe_type_problem = _RecipeTypeProblems()
+
+
+def refresh() -> None:
+    """Forget every cached answer, so that a changed FASTCAST_GEMM takes effect."""
+    for fn in (gemm_mode, cuda_capability, _backend, unsupported_reason, default_recipe):
+        fn.cache_clear()
+    recipe_type_problem.clear()
+    from .state import thread_state  # noqa: PLC0415 - state imports hardware's users
+
+    thread_state().last_good_recipe = None
+
+
+def _available(family: str) -> tuple[bool, str]:
+    backend, reason = gemm_backend(default_device_type(), family)
+    return backend is not None, reason
+
+
+def fp8_available() -> tuple[bool, str]:
+    """Per-tensor FP8 (delayed and current scaling): ``(available, reason)``."""
+    return _available(TENSORWISE)
+
+
+def fp8_block_scaling_available() -> tuple[bool, str]:
+    """1x128 / 128x128 block-scaled FP8: ``(available, reason)``."""
+    return _available(BLOCKWISE)
+
+
+def mxfp8_available() -> tuple[bool, str]:
+    """MXFP8 (32-element blocks, E8M0 scales): ``(available, reason)``."""
+    return _available(MXFP8)
+
+
+def nvfp4_available() -> tuple[bool, str]:
+    """NVFP4 (16-element E2M1 blocks): ``(available, reason)``."""
+    return _available(NVFP4)
+
+
+@functools.cache
+def default_recipe() -> Recipe:
+    """The best recipe this machine runs natively, built once per process."""
+    cap = cuda_capability()
+    if cap is not None and cap >= _CUDA_MIN_CAPABILITY[MXFP8]:
+        return MXFP8BlockScaling()
+    return DelayedScaling()
