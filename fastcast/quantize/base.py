@@ -1,0 +1,93 @@
+"""The quantizer protocol and the arithmetic every scaling family shares."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..recipe import ELEMENT_MAX
+from ..tensor import FP8_DTYPES, QuantizedTensor
+
+ROLES = ("input", "weight", "grad_output")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+@runtime_checkable
+class Quantizer(Protocol):
+    """Turns a high-precision tensor into a QuantizedTensor.
+
+    ``rowwise`` produces the layout scaled along the last dim, ``columnwise`` the
+    transposed one scaled along the other dim (what backward GEMMs contract over).
+    """
+
+    fmt: str
+
+    def quantize(
+        self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
+    ) -> QuantizedTensor: ...
+
+
+def check_input(x: object, what: str = "input") -> torch.Tensor:
+    """Refuse what cannot be quantized, naming the problem."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{what} must be float32, bfloat16 or float16 to be quantized, got {x.dtype}"
+        )
+    if x.dim() == 0:
+        raise ValueError(f"{what} must have at least one dimension to be quantized")
+    return x
+
+
+def as_matrix(x: torch.Tensor) -> torch.Tensor:
+    """``[..., K]`` viewed as ``[R, K]`` (copying only if the layout needs it)."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def saturating_cast(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """FP32 values to an FP8 dtype: out-of-range values clamp to the max, NaN stays NaN.
+
+    ``x`` must be a temporary: it is clamped in place.
+    """
+    fmt_max = ELEMENT_MAX[fmt]
+    return x.clamp_(-fmt_max, fmt_max).to(FP8_DTYPES[fmt])
+
+
+def round_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
+    """Largest power of two not above ``scale`` (so scaled values never grow)."""
+    mantissa, exponent = torch.frexp(scale)
+    # scale = m * 2**e with m in [0.5, 1): 2**(e-1) <= scale.
+    return torch.ldexp(torch.ones_like(mantissa), exponent - 1)
+
+
+def scale_from_amax(
+    amax: torch.Tensor,
+    fmt_max: float,
+    *,
+    margin: int = 0,
+    power_2: bool = False,
+    epsilon: float = 0.0,
+    fallback: torch.Tensor | float = 1.0,
+) -> torch.Tensor:
+    """Quantization scale ``fmt_max / amax / 2**margin`` (FP32), elementwise.
+
+    amax 0, NaN or infinite gives ``fallback`` (1.0, or the previous scale for delayed
+    scaling); a tiny amax whose scale overflows FP32 gives the FP32 max.
+    """
+    amax = amax.float()
+    if epsilon > 0:
+        amax = amax.clamp_min(epsilon)
+    scale = (fmt_max / 2.0**margin) / amax
+    scale = scale.clamp_max_(FP32_MAX)
+    if power_2:
+        scale = round_to_power_of_2(scale)
+    usable = (amax > 0) & (amax < float("inf"))
+    return torch.where(usable, scale, fallback)
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as an FP32 scalar tensor (NaN if any element is NaN)."""
+    return torch.linalg.vector_norm(x, ord=float("inf"), dtype=torch.float32)

@@ -1,0 +1,104 @@
+"""Per-tensor FP8 scaling: current (from this tensor) and delayed (from past amaxes)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..recipe import ELEMENT_MAX
+from ..tensor import Float8Tensor
+from .base import as_matrix, check_input, saturating_cast, scale_from_amax, tensor_amax
+
+WHOLE = (0, 0)  # one scale for the whole tensor
+
+
+def quantize_with_scale(
+    x: torch.Tensor, scale: torch.Tensor, fmt: str, rowwise: bool, columnwise: bool
+) -> Float8Tensor:
+    """Quantize ``x`` with the per-tensor ``scale`` (FP32 scalar tensor)."""
+    data = saturating_cast(x.float() * scale if x.dtype != torch.float32 else x * scale, fmt)
+    # Per-tensor FP8 transposes exactly: the column-wise layout is the transposed data.
+    data_t = as_matrix(data).t().contiguous() if columnwise else None
+    # A fresh tensor, so a later in-place scale update cannot change what this holds.
+    scale_inv = scale.reciprocal()
+    return Float8Tensor(
+        fmt=fmt,
+        shape=x.shape,
+        dtype=x.dtype,
+        data=data if rowwise else None,
+        scale_inv=scale_inv,
+        block=WHOLE,
+        data_t=data_t,
+        scale_inv_t=scale_inv if columnwise else None,
+        block_t=WHOLE,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CurrentScalingQuantizer:
+    """Scale from this tensor's amax. A value object: equal fields, equal quantizers.
+
+    With ``amax_reduction_group`` the amax is the max over the group's ranks (tensor- or
+    sequence-parallel layers whose shards must share one scale).
+    """
+
+    fmt: str = "e4m3"
+    power_2_scales: bool = False
+    amax_epsilon: float = 0.0
+    amax_reduction_group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.fmt not in ("e4m3", "e5m2"):
+            raise ValueError(f"CurrentScalingQuantizer: fmt must be e4m3 or e5m2, got {self.fmt!r}")
+
+    def quantize(
+        self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
+    ) -> Float8Tensor:
+        check_input(x)
+        amax = tensor_amax(x)
+        if self.amax_reduction_group is not None:
+            from ..distributed import all_reduce_max  # noqa: PLC0415 - only with a group
+
+            all_reduce_max(amax, self.amax_reduction_group)
+        scale = scale_from_amax(
+            amax,
+            ELEMENT_MAX[self.fmt],
+            power_2=self.power_2_scales,
+            epsilon=self.amax_epsilon,
+        )
+        return quantize_with_scale(x, scale, self.fmt, rowwise, columnwise)
+
+
+class DelayedScalingQuantizer:
+    """Scale from the amax history of earlier steps; records this tensor's amax.
+
+    ``scale`` and ``amax_slot`` are views into buffers the delayed-scaling registry owns:
+    the quantizer reads the scale the last update produced and max-accumulates this
+    call's amax into the slot (a module called twice in a step keeps the larger amax).
+    It holds live state, so it keeps identity semantics.
+    """
+
+    __slots__ = ("fmt", "scale", "amax_slot", "recording")
+
+    def __init__(self, scale: torch.Tensor, amax_slot: torch.Tensor, fmt: str = "e4m3") -> None:
+        if fmt not in ("e4m3", "e5m2"):
+            raise ValueError(f"DelayedScalingQuantizer: fmt must be e4m3 or e5m2, got {fmt!r}")
+        self.fmt = fmt
+        self.scale = scale
+        self.amax_slot = amax_slot
+        self.recording = True
+
+    def quantize(
+        self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
+    ) -> Float8Tensor:
+        check_input(x)
+        if self.recording:
+            record_amax(self.amax_slot, x)
+        return quantize_with_scale(x, self.scale, self.fmt, rowwise, columnwise)
+
+
+def record_amax(slot: torch.Tensor, x: torch.Tensor) -> None:
+    """``slot = max(slot, amax(x))`` in place (NaN propagates, as it should)."""
+    torch.maximum(slot, tensor_amax(x).reshape(slot.shape), out=slot)

@@ -1,0 +1,312 @@
+"""Quantized tensor storage: data, dequantization scales, format and logical shape.
+
+A quantized tensor holds up to two layouts of the same logical 2D matrix ``[R, K]``
+(higher-rank tensors are viewed as ``[prod(leading), K]``):
+
+- row-wise: ``data`` shaped like the tensor, scaled in blocks along the last dim,
+- column-wise: ``data_t`` shaped ``[K, R]``, scaled in blocks along R,
+
+because a GEMM contracts over the last dim of both operands (``a @ b.T``) and backward
+contracts over the other dim. ``t()`` swaps the two, so ``scaled_mm(g, w.t())`` is dgrad.
+
+Each layout's scales cover blocks of ``block = (rows, cols)`` elements, where 0 means
+"the whole dimension": ``(0, 0)`` is one scale per tensor, ``(1, 0)`` one per row,
+``(1, 128)`` 1x128 tiles, ``(128, 128)`` 128x128 tiles. A partial tile at the edge has
+its own scale. Storage classes register under a stable name (``STORAGE``), so a later
+codec can rebuild them by name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+
+STORAGE: dict[str, type[QuantizedTensor]] = {}
+
+FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def register_storage(cls: type[QuantizedTensor]) -> type[QuantizedTensor]:
+    """Class decorator: make ``cls`` rebuildable from its ``storage_name``."""
+    name = cls.storage_name
+    if name in STORAGE and STORAGE[name] is not cls:
+        raise ValueError(f"storage name {name!r} is already registered to {STORAGE[name]}")
+    STORAGE[name] = cls
+    return cls
+
+
+def expand_scales(scales: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
+    """Broadcast per-block scales ``[ceil(R/br), ceil(K/bk)]`` to a ``[R, K]``-compatible tensor."""
+    br, bk = block
+    if br == 0 and bk == 0:
+        return scales.reshape(1, 1)
+    s = scales.reshape(1 if br == 0 else -1, 1 if bk == 0 else scales.shape[-1])
+    if br > 1:
+        s = s.repeat_interleave(br, dim=0)[:rows]
+    if bk > 1:
+        s = s.repeat_interleave(bk, dim=1)[:, :cols]
+    return s
+
+
+class QuantizedTensor:
+    """Base storage: subclasses say how data and scales decode to FP32."""
+
+    storage_name: ClassVar[str]
+    family: ClassVar[str]  # the GEMM kernel family (see hardware.FAMILIES)
+    # Tensor-valued attributes, in flatten order; any of them may be None.
+    inner_names: ClassVar[tuple[str, ...]] = ("data", "scale_inv", "data_t", "scale_inv_t")
+
+    __slots__ = (
+        "data",
+        "scale_inv",
+        "data_t",
+        "scale_inv_t",
+        "block",
+        "block_t",
+        "fmt",
+        "shape",
+        "dtype",
+    )
+
+    def __init__(
+        self,
+        *,
+        fmt: str,
+        shape: torch.Size | tuple[int, ...],
+        dtype: torch.dtype,
+        data: torch.Tensor | None = None,
+        scale_inv: torch.Tensor | None = None,
+        block: tuple[int, int] = (0, 0),
+        data_t: torch.Tensor | None = None,
+        scale_inv_t: torch.Tensor | None = None,
+        block_t: tuple[int, int] = (0, 0),
+    ) -> None:
+        if data is None and data_t is None:
+            raise ValueError("a quantized tensor needs row-wise or column-wise data")
+        self.data = data
+        self.scale_inv = scale_inv
+        self.block = tuple(block)
+        self.data_t = data_t
+        self.scale_inv_t = scale_inv_t
+        self.block_t = tuple(block_t)
+        self.fmt = fmt
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+
+    # -- decoding: what a subclass defines --------------------------------------------
+    def _decode_data(self, data: torch.Tensor) -> torch.Tensor:
+        """Element values of ``data`` as FP32, same shape (before scaling)."""
+        return data.float()
+
+    def _decode_scales(self, scales: torch.Tensor) -> torch.Tensor:
+        """Dequantization multipliers as FP32."""
+        return scales.float()
+
+    def _rows_cols(self, data: torch.Tensor) -> tuple[int, int]:
+        return data.numel() // data.shape[-1], data.shape[-1]
+
+    # -- public --------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return (self.data if self.data is not None else self.data_t).device
+
+    @property
+    def has_rowwise(self) -> bool:
+        return self.data is not None
+
+    @property
+    def has_columnwise(self) -> bool:
+        return self.data_t is not None
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The high-precision tensor this represents, in ``dtype`` (default: original)."""
+        dtype = dtype or self.dtype
+        if self.data is not None:
+            out = self._dequantize_layout(self.data, self.scale_inv, self.block)
+            return out.reshape(self.shape).to(dtype)
+        out = self._dequantize_layout(self.data_t, self.scale_inv_t, self.block_t)
+        return out.t().reshape(self.shape).to(dtype)
+
+    def dequantize_rowwise_2d(self) -> torch.Tensor:
+        """The row-wise layout as an FP32 ``[R, K]`` matrix (the GEMM emulation operand)."""
+        if self.data is None:
+            raise ValueError(
+                f"{type(self).__name__} of shape {tuple(self.shape)} has no row-wise data; "
+                "quantize it with rowwise=True"
+            )
+        return self._dequantize_layout(self.data, self.scale_inv, self.block)
+
+    def _dequantize_layout(
+        self, data: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]
+    ) -> torch.Tensor:
+        rows, cols = self._rows_cols(data)
+        values = self._decode_data(data).reshape(rows, cols)
+        return values * expand_scales(self._decode_scales(scales), block, rows, cols)
+
+    def t(self) -> QuantizedTensor:
+        """The transposed matrix: the column-wise layout becomes the row-wise one."""
+        if len(self.shape) != 2:
+            raise ValueError(f"t() needs a 2D quantized tensor, this one is {tuple(self.shape)}")
+        if self.data_t is None:
+            raise ValueError(
+                f"{type(self).__name__} of shape {tuple(self.shape)} has no column-wise data; "
+                "quantize it with columnwise=True"
+            )
+        clone = self._clone_meta()
+        clone.data, clone.data_t = self.data_t, self.data
+        clone.scale_inv, clone.scale_inv_t = self.scale_inv_t, self.scale_inv
+        clone.block, clone.block_t = self.block_t, self.block
+        clone.shape = torch.Size((self.shape[1], self.shape[0]))
+        return clone
+
+    def _clone_meta(self) -> QuantizedTensor:
+        clone = object.__new__(type(self))
+        for name in type(self)._all_slots():
+            setattr(clone, name, getattr(self, name))
+        return clone
+
+    @classmethod
+    def _all_slots(cls) -> tuple[str, ...]:
+        names: list[str] = []
+        for klass in cls.__mro__:
+            names.extend(getattr(klass, "__slots__", ()))
+        return tuple(names)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by data and scales of every layout present."""
+        return sum(
+            t.numel() * t.element_size()
+            for t in (getattr(self, n) for n in self.inner_names)
+            if t is not None
+        )
+
+    # -- flatten / unflatten (torch.compile and checkpoint codecs) ------------------------
+    def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
+        names = [n for n in self.inner_names if getattr(self, n) is not None]
+        ctx = {
+            "storage": self.storage_name,
+            "fmt": self.fmt,
+            "shape": tuple(self.shape),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "block": self.block,
+            "block_t": self.block_t,
+        }
+        return names, ctx
+
+    @classmethod
+    def __tensor_unflatten__(
+        cls,
+        inner_tensors: dict[str, torch.Tensor],
+        ctx: dict[str, Any],
+        outer_size: Any = None,
+        outer_stride: Any = None,
+    ) -> QuantizedTensor:
+        klass = STORAGE[ctx["storage"]]
+        dtype = getattr(torch, ctx["dtype"])
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"not a dtype: {ctx['dtype']!r}")
+        obj = object.__new__(klass)
+        for name in klass._all_slots():
+            setattr(obj, name, None)
+        for name in klass.inner_names:
+            setattr(obj, name, inner_tensors.get(name))
+        obj.fmt = ctx["fmt"]
+        obj.shape = torch.Size(ctx["shape"])
+        obj.dtype = dtype
+        obj.block = tuple(ctx["block"])
+        obj.block_t = tuple(ctx["block_t"])
+        obj._unflatten_extra(ctx)
+        return obj
+
+    def _unflatten_extra(self, ctx: dict[str, Any]) -> None:
+        """Restore subclass metadata from the flatten context."""
+
+    def __repr__(self) -> str:
+        layouts = [n for n, t in (("rowwise", self.data), ("columnwise", self.data_t)) if t is not None]
+        return (
+            f"{type(self).__name__}(shape={tuple(self.shape)}, fmt={self.fmt}, "
+            f"dtype={self.dtype}, block={self.block}, layouts={'+'.join(layouts)})"
+        )
+
+
+def block_family(block: tuple[int, int]) -> str:
+    """The GEMM family of an FP8 layout with FP32 scales over ``block``."""
+    if block == (0, 0):
+        return "tensorwise"
+    if block == (1, 0):
+        return "rowwise"
+    return "blockwise"
+
+
+@register_storage
+class Float8Tensor(QuantizedTensor):
+    """FP8 (E4M3/E5M2) elements with FP32 dequantization scales over blocks.
+
+    Per-tensor, per-row, 1x128 and 128x128 scaling are all this class; ``block`` says
+    which.
+    """
+
+    storage_name = "float8"
+    family = "float8"  # refined per layout by ``block_family``
+    __slots__ = ()
+
+
+@register_storage
+class MXFP8Tensor(QuantizedTensor):
+    """OCP MXFP8: FP8 elements, one E8M0 scale (uint8 biased exponent) per 32 along K."""
+
+    storage_name = "mxfp8"
+    family = "mxfp8"
+    __slots__ = ()
+
+    def _decode_scales(self, scales: torch.Tensor) -> torch.Tensor:
+        return decode_e8m0(scales)
+
+
+def decode_e8m0(biased: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes to FP32: ``2**(b - 127)``; 255 is NaN."""
+    exp = biased.to(torch.int32) - 127
+    values = torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp)
+    return torch.where(biased == 255, torch.full_like(values, math.nan), values)
+
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@register_storage
+class NVFP4Tensor(QuantizedTensor):
+    """NVFP4: E2M1 codes packed two per byte (first element in the low nibble), an E4M3
+    scale per 16 elements, and an FP32 per-tensor scale (``global_scale_inv``)."""
+
+    storage_name = "nvfp4"
+    family = "nvfp4"
+    inner_names = QuantizedTensor.inner_names + ("global_scale_inv",)
+    __slots__ = ("global_scale_inv",)
+
+    def __init__(self, *, global_scale_inv: torch.Tensor, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.global_scale_inv = global_scale_inv
+
+    def _rows_cols(self, data: torch.Tensor) -> tuple[int, int]:
+        cols = data.shape[-1] * 2  # two codes per byte
+        return data.numel() * 2 // cols, cols
+
+    def _decode_data(self, data: torch.Tensor) -> torch.Tensor:
+        return unpack_e2m1(data)
+
+    def _decode_scales(self, scales: torch.Tensor) -> torch.Tensor:
+        return scales.float() * self.global_scale_inv.float()
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., n/2]`` of two E2M1 codes each to FP32 ``[..., n]``."""
+    table = torch.tensor(
+        E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=packed.device
+    )
+    low = (packed & 0x0F).long()
+    high = (packed >> 4).long()
+    codes = torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    return table[codes]
