@@ -37,8 +37,10 @@ def register_storage(cls: type[QuantizedTensor]) -> type[QuantizedTensor]:
     return cls
 
 
-def expand_scales(scales: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
-    """Broadcast per-block scales ``[ceil(R/br), ceil(K/bk)]`` to a ``[R, K]``-compatible tensor."""
+def expand_scales(
+    scales: torch.Tensor, block: tuple[int, int], rows: int, cols: int
+) -> torch.Tensor:
+    """Broadcast per-block scales ``[ceil(R/br), ceil(K/bk)]`` to match ``[R, K]``."""
     br, bk = block
     if br == 0 and bk == 0:
         return scales.reshape(1, 1)
@@ -225,7 +227,11 @@ class QuantizedTensor:
         """Restore subclass metadata from the flatten context."""
 
     def __repr__(self) -> str:
-        layouts = [n for n, t in (("rowwise", self.data), ("columnwise", self.data_t)) if t is not None]
+        layouts = [
+            name
+            for name, data in (("rowwise", self.data), ("columnwise", self.data_t))
+            if data is not None
+        ]
         return (
             f"{type(self).__name__}(shape={tuple(self.shape)}, fmt={self.fmt}, "
             f"dtype={self.dtype}, block={self.block}, layouts={'+'.join(layouts)})"

@@ -1,0 +1,57 @@
+"""Shared fixtures for the fastcast test suite.
+
+``gemm_mode``: switch ``FASTCAST_GEMM`` for one test. Either call the fixture's value,
+``gemm_mode("hardware")``, or parametrize it indirectly::
+
+    @pytest.mark.parametrize("gemm_mode", ["emulate"], indirect=True)
+    def test_x(gemm_mode): ...
+
+Every switch calls ``fastcast.hardware.refresh()`` so that the cached capability
+answers are recomputed; on teardown the previous value is restored and the caches are
+refreshed again, so no test sees another test's mode.
+
+An autouse guard checks that no test leaves an autocast active in the main thread: a
+leaked frame would silently change what every later test runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from fastcast import hardware, state
+
+_ENV = "FASTCAST_GEMM"
+
+
+@pytest.fixture
+def gemm_mode(request: pytest.FixtureRequest) -> Iterator[Callable[[str | None], None]]:
+    """A setter for ``FASTCAST_GEMM`` (None unsets it); restored after the test."""
+    saved = os.environ.get(_ENV)
+
+    def set_mode(mode: str | None) -> None:
+        if mode is None:
+            os.environ.pop(_ENV, None)
+        else:
+            os.environ[_ENV] = mode
+        hardware.refresh()
+
+    param = getattr(request, "param", None)
+    if param is not None:
+        set_mode(param)
+    try:
+        yield set_mode
+    finally:
+        set_mode(saved)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_autocast() -> Iterator[None]:
+    assert state.current_frame() is state.OUTSIDE, "an earlier test left an autocast active"
+    yield
+    leaked = state.current_frame()
+    if leaked is not state.OUTSIDE:
+        state.thread_state().frame = state.OUTSIDE  # keep the following tests meaningful
+        pytest.fail(f"the test left an autocast active: {leaked!r}")
