@@ -178,12 +178,9 @@ class QuantizedTensor:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by data and scales of every layout present."""
-        return sum(
-            t.numel() * t.element_size()
-            for t in (getattr(self, n) for n in self.inner_names)
-            if t is not None
-        )
+        """Bytes held by data and scales of every layout present (shared ones once)."""
+        unique = {id(t): t for t in (getattr(self, n) for n in self.inner_names) if t is not None}
+        return sum(t.numel() * t.element_size() for t in unique.values())
 
     # -- flatten / unflatten (torch.compile and checkpoint codecs) ------------------------
     def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
