@@ -1,12 +1,15 @@
 """fastcast: FP8 and FP4 mixed precision for PyTorch training with almost no CPU overhead."""
 
 from .autocast import autocast
+from .gemm import scaled_mm
 from .hardware import (
     fp8_available,
     fp8_block_scaling_available,
     mxfp8_available,
     nvfp4_available,
 )
+from .nn import Linear, convert
+from .quantize import quantize
 from .recipe import (
     CustomRecipe,
     DelayedScaling,
@@ -17,7 +20,9 @@ from .recipe import (
     NVFP4BlockScaling,
     Recipe,
 )
+from .recompute import checkpoint_context
 from .state import get_autocast_recipe, is_autocast_enabled
+from .tensor import QuantizedTensor
 
 __version__ = "0.1.0"
 
@@ -27,14 +32,20 @@ __all__ = [
     "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
+    "Linear",
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",
+    "QuantizedTensor",
     "Recipe",
     "autocast",
+    "checkpoint_context",
+    "convert",
     "fp8_available",
     "fp8_block_scaling_available",
     "get_autocast_recipe",
     "is_autocast_enabled",
     "mxfp8_available",
     "nvfp4_available",
+    "quantize",
+    "scaled_mm",
 ]

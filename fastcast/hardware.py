@@ -6,14 +6,16 @@ The GEMM backend for each scaling family is one of:
 - ``emulate``: dequantize to FP32 and matmul, exact to FP32 rounding, on any device.
 
 ``FASTCAST_GEMM`` (``auto`` | ``hardware`` | ``emulate``) overrides the choice. Under
-``auto`` the CPU emulates what it has no kernel for, while a CUDA device must have the
-tensor cores for the family: a silent 10x slowdown on a GPU is worse than a clear error.
+``auto`` the CPU emulates what it has no kernel for; a CUDA device must have FP8 tensor
+cores (compute capability 8.9+), and emulates, with a warning, the block-scaled families
+whose tensor-core path fastcast does not drive yet (1x128/128x128, MXFP8, NVFP4).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
@@ -46,16 +48,12 @@ RECIPE_FAMILY: dict[type, str | None] = {
     CustomRecipe: None,  # its quantizers decide, GEMM by GEMM
 }
 
-# Lowest CUDA compute capability with tensor-core kernels for each family.
-_CUDA_MIN_CAPABILITY = {
-    TENSORWISE: (8, 9),
-    ROWWISE: (8, 9),
-    BLOCKWISE: (9, 0),
-    MXFP8: (10, 0),
-    NVFP4: (10, 0),
-}
-# Families PyTorch's CPU build has a _scaled_mm kernel for.
-_CPU_KERNELS = (TENSORWISE, ROWWISE)
+# Lowest CUDA compute capability with FP8 tensor cores.
+CUDA_FP8_CAPABILITY = (8, 9)
+# Families fastcast drives torch._scaled_mm for, on CPU and on CUDA (8.9+). The
+# block-scaled kernels need scale layouts (swizzles) that are not validated on hardware
+# here yet, so those families run emulated rather than risk silently wrong GEMMs.
+_KERNEL_FAMILIES = (TENSORWISE, ROWWISE)
 
 
 @functools.cache
@@ -77,11 +75,13 @@ def cuda_capability() -> tuple[int, int] | None:
 
 def has_kernel(device_type: str, family: str) -> bool:
     """Whether ``torch._scaled_mm`` has a kernel for this family on this device type."""
+    if family not in _KERNEL_FAMILIES:
+        return False
     if device_type == "cpu":
-        return family in _CPU_KERNELS
+        return True
     if device_type == "cuda":
         cap = cuda_capability()
-        return cap is not None and cap >= _CUDA_MIN_CAPABILITY[family]
+        return cap is not None and cap >= CUDA_FP8_CAPABILITY
     return False
 
 
@@ -97,10 +97,17 @@ def _backend(device_type: str, family: str, mode: str) -> tuple[str | None, str]
             "and FASTCAST_GEMM=hardware forbids emulation"
         )
     if device_type == "cuda":
-        need = ".".join(map(str, _CUDA_MIN_CAPABILITY[family]))
-        return None, (
-            f"{family} scaling needs a GPU of compute capability {need} or newer, "
-            f"this is {_describe(device_type)}; set FASTCAST_GEMM=emulate to run it emulated"
+        cap = cuda_capability()
+        if cap is None or cap < CUDA_FP8_CAPABILITY:
+            return None, (
+                f"FP8 needs a GPU of compute capability 8.9 or newer, this is "
+                f"{_describe(device_type)}; set FASTCAST_GEMM=emulate to run it emulated"
+            )
+        warnings.warn(
+            f"fastcast: {family} GEMMs run emulated (dequantize + matmul) on "
+            f"{_describe(device_type)}; only per-tensor and per-row FP8 use tensor cores",
+            RuntimeWarning,
+            stacklevel=2,
         )
     return "emulate", f"emulated on {device_type}"
 
@@ -209,6 +216,6 @@ def nvfp4_available() -> tuple[bool, str]:
 def default_recipe() -> Recipe:
     """The best recipe this machine runs natively, built once per process."""
     cap = cuda_capability()
-    if cap is not None and cap >= _CUDA_MIN_CAPABILITY[MXFP8]:
+    if cap is not None and cap >= (10, 0) and has_kernel("cuda", MXFP8):
         return MXFP8BlockScaling()
     return DelayedScaling()

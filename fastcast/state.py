@@ -63,7 +63,7 @@ OUTSIDE = AutocastFrame(enabled=False, recipe=None)
 class ThreadState:
     """The state of one thread: its innermost frame and its delayed-scaling registry."""
 
-    __slots__ = ("frame", "step_claimed", "registry", "last_good_recipe")
+    __slots__ = ("frame", "step_claimed", "registry", "last_good_recipe", "replay")
 
     def __init__(self) -> None:
         self.frame: AutocastFrame = OUTSIDE
@@ -72,6 +72,8 @@ class ThreadState:
         self.step_claimed = False
         self.registry: Any = None  # the delayed-scaling registry, created on first use
         self.last_good_recipe: Recipe | None = None  # passed the support check here
+        # Set inside an activation-checkpointed region (see recompute.py).
+        self.replay: Any = None
 
 
 # One ThreadState per thread, held in a context variable: every thread starts with an

@@ -163,6 +163,25 @@ class QuantizedTensor:
         clone.shape = torch.Size((self.shape[1], self.shape[0]))
         return clone
 
+    def columnwise_operand(self) -> QuantizedTensor:
+        """The column-wise layout alone, as a row-wise ``[K, R]`` operand.
+
+        What backward keeps of a forward operand: the transposed matrix, without the
+        row-wise bytes (leading dims of the logical shape are flattened into R).
+        """
+        if self.data_t is None:
+            raise ValueError(
+                f"{type(self).__name__} of shape {tuple(self.shape)} has no column-wise data; "
+                "quantize it with columnwise=True"
+            )
+        clone = self._clone_meta()
+        clone.data, clone.scale_inv, clone.block = self.data_t, self.scale_inv_t, self.block_t
+        clone.data_t = clone.scale_inv_t = None
+        clone.block_t = (0, 0)
+        k = self.shape[-1]
+        clone.shape = torch.Size((k, self.shape.numel() // k if k else 0))
+        return clone
+
     def _clone_meta(self) -> QuantizedTensor:
         clone = object.__new__(type(self))
         for name in type(self)._all_slots():

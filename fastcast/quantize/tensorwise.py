@@ -74,28 +74,51 @@ class CurrentScalingQuantizer:
 class DelayedScalingQuantizer:
     """Scale from the amax history of earlier steps; records this tensor's amax.
 
-    ``scale`` and ``amax_slot`` are views into buffers the delayed-scaling registry owns:
-    the quantizer reads the scale the last update produced and max-accumulates this
-    call's amax into the slot (a module called twice in a step keeps the larger amax).
+    ``meta`` is a ``delayed.ScalingMeta`` (or any object with ``scale_views`` and
+    ``amax_slots`` lists of one-element tensors); ``index`` is this role's column. The
+    quantizer reads the scale the last update produced and max-accumulates this call's
+    amax into the slot, so a module called twice in a step keeps the larger amax. The
+    views are looked up per call because the registry re-points them when it grows.
     It holds live state, so it keeps identity semantics.
     """
 
-    __slots__ = ("fmt", "scale", "amax_slot", "recording")
+    __slots__ = ("meta", "index", "fmt", "recording")
 
-    def __init__(self, scale: torch.Tensor, amax_slot: torch.Tensor, fmt: str = "e4m3") -> None:
+    def __init__(self, meta: Any, index: int, fmt: str = "e4m3") -> None:
         if fmt not in ("e4m3", "e5m2"):
             raise ValueError(f"DelayedScalingQuantizer: fmt must be e4m3 or e5m2, got {fmt!r}")
+        self.meta = meta
+        self.index = index
         self.fmt = fmt
-        self.scale = scale
-        self.amax_slot = amax_slot
         self.recording = True
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.meta.scale_views[self.index]
 
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
     ) -> Float8Tensor:
         check_input(x)
         if self.recording:
-            record_amax(self.amax_slot, x)
+            record_amax(self.meta.amax_slots[self.index], x)
+        return quantize_with_scale(x, self.scale, self.fmt, rowwise, columnwise)
+
+
+class FixedScaleQuantizer:
+    """Quantize with a given scale tensor and record nothing (activation recomputation
+    replays the scales of the original forward this way)."""
+
+    __slots__ = ("scale", "fmt")
+
+    def __init__(self, scale: torch.Tensor, fmt: str) -> None:
+        self.scale = scale
+        self.fmt = fmt
+
+    def quantize(
+        self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
+    ) -> Float8Tensor:
+        check_input(x)
         return quantize_with_scale(x, self.scale, self.fmt, rowwise, columnwise)
 
 

@@ -1,0 +1,196 @@
+"""Delayed scaling bookkeeping: amax histories and scales, updated in batches.
+
+Every module keeps, per direction (forward: input and weight; backward: grad_output), a
+``ScalingMeta``: an amax history ``[L, n]`` and scales ``[n]``. Once a module runs under
+an autocast key, its meta's tensors become column views into that key's ``Slab``: one
+contiguous history ``[L, N]`` and scale ``[N]`` for all N columns of all modules. The
+update is then a fixed handful of tensor operations (and at most one ``all_reduce(MAX)``)
+per slab, whatever the number of modules. Growing a slab re-points every member's views;
+that happens when a module first runs under a key, not per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .quantize.base import scale_from_amax
+from .recipe import ELEMENT_MAX, DelayedScaling
+
+FORWARD, BACKWARD = 0, 1
+
+
+class ScalingMeta:
+    """Amax history and scales of one module for one direction (``n`` roles)."""
+
+    __slots__ = ("n", "history", "scale", "scale_views", "amax_slots", "slab")
+
+    def __init__(self, n: int, history_len: int, device: torch.device | str = "cpu") -> None:
+        self.n = n
+        self.slab: Slab | None = None
+        self._own(
+            torch.zeros(history_len, n, device=device),
+            torch.ones(n, device=device),
+        )
+
+    def _own(self, history: torch.Tensor, scale: torch.Tensor) -> None:
+        """Point at ``history``/``scale`` (standalone tensors or views into a slab)."""
+        self.history = history
+        self.scale = scale
+        # One-element views per role, made once: the quantizers read and write these.
+        self.scale_views = [scale[i : i + 1] for i in range(self.n)]
+        self.amax_slots = [history[0, i : i + 1] for i in range(self.n)]
+
+    def detach(self) -> None:
+        """Leave the slab, keeping a private copy of the current values."""
+        if self.slab is not None:
+            self.slab.remove(self)
+        self._own(self.history.clone(), self.scale.clone())
+
+    def move_to(self, device: torch.device) -> None:
+        """Leave the slab and carry the values to ``device``."""
+        self.detach()
+        self._own(self.history.to(device), self.scale.to(device))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Plain-tensor copy of the values (for checkpoints and pickles)."""
+        return {"amax_history": self.history.clone(), "scale": self.scale.clone()}
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> ScalingMeta:
+        history, scale = state["amax_history"], state["scale"]
+        if history.dim() != 2 or scale.dim() != 1 or history.shape[1] != scale.shape[0]:
+            raise ValueError(
+                f"delayed-scaling state has inconsistent shapes: amax_history "
+                f"{tuple(history.shape)}, scale {tuple(scale.shape)}"
+            )
+        meta = cls(scale.shape[0], history.shape[0], history.device)
+        meta._own(history.float().clone(), scale.float().clone())
+        return meta
+
+    def resize_history(self, history_len: int) -> None:
+        """Keep the newest ``min(old, new)`` rows' worth of history at a new length."""
+        old = self.history
+        if old.shape[0] == history_len:
+            return
+        new = torch.zeros(history_len, self.n, device=old.device)
+        keep = min(history_len, old.shape[0])
+        new[:keep] = old[:keep]
+        self.detach()
+        self._own(new, self.scale.clone())
+
+
+class Slab:
+    """The contiguous amax history and scales of every module of one key and direction."""
+
+    __slots__ = ("recipe", "group", "fmt", "history", "scale", "members")
+
+    def __init__(self, recipe: DelayedScaling, group: Any, fmt: str, device: torch.device):
+        self.recipe = recipe
+        self.group = group
+        self.fmt = fmt
+        self.members: list[ScalingMeta] = []
+        self.history = torch.zeros(recipe.amax_history_len, 0, device=device)
+        self.scale = torch.ones(0, device=device)
+
+    def add(self, meta: ScalingMeta) -> None:
+        """Take ``meta`` in: its current values become new columns of the slab."""
+        meta.detach()
+        meta.resize_history(self.recipe.amax_history_len)
+        self._rebuild(self.members + [meta], extra=meta)
+
+    def remove(self, meta: ScalingMeta) -> None:
+        self.members.remove(meta)
+        meta.slab = None
+        self._rebuild(list(self.members))
+
+    def _rebuild(self, members: list[ScalingMeta], extra: ScalingMeta | None = None) -> None:
+        histories = [m.history for m in members]
+        scales = [m.scale for m in members]
+        device = self.history.device
+        self.history = (
+            torch.cat(histories, dim=1)
+            if histories
+            else torch.zeros(self.recipe.amax_history_len, 0, device=device)
+        )
+        self.scale = torch.cat(scales) if scales else torch.ones(0, device=device)
+        offset = 0
+        for m in members:
+            m._own(self.history[:, offset : offset + m.n], self.scale[offset : offset + m.n])
+            m.slab = self
+            offset += m.n
+        self.members = members
+
+    def update(self) -> None:
+        """Reduce this step's amaxes, compute new scales from the window, roll history."""
+        if self.scale.numel() == 0:
+            return
+        recipe = self.recipe
+        history = self.history
+        if self.group is not None and recipe.reduce_amax:
+            from .distributed import all_reduce_max  # noqa: PLC0415 - only with a group
+
+            all_reduce_max(history[0], self.group)
+        algo = recipe.amax_compute_algo
+        if algo == "max":
+            amax = history.amax(dim=0)
+        elif algo == "most_recent":
+            amax = history[0].clone()
+        else:
+            amax = algo(history)
+        fmt_max = ELEMENT_MAX[self.fmt]
+        if recipe.scaling_factor_compute_algo is not None:
+            scale = recipe.scaling_factor_compute_algo(amax, self.scale, fmt_max, recipe)
+        else:
+            scale = scale_from_amax(amax, fmt_max, margin=recipe.margin, fallback=self.scale)
+        self.scale.copy_(scale)
+        if history.shape[0] > 1:
+            history.copy_(torch.roll(history, -1, dims=0))
+        history[0].zero_()
+
+
+class DelayedScalingRegistry:
+    """Per-thread set of slabs, keyed by (autocast key, direction, device)."""
+
+    __slots__ = ("slabs", "pending")
+
+    def __init__(self) -> None:
+        self.slabs: dict[tuple, Slab] = {}
+        # Slabs with amaxes recorded since their last update, per direction.
+        self.pending: tuple[set[Slab], set[Slab]] = (set(), set())
+
+    def slab(self, key: tuple, group: Any, direction: int, fmt: str, device: torch.device) -> Slab:
+        slab_key = (key, direction, device)
+        slab = self.slabs.get(slab_key)
+        if slab is None:
+            slab = self.slabs[slab_key] = Slab(key[0], group, fmt, device)
+        return slab
+
+    def mark(self, slab: Slab, direction: int) -> None:
+        self.pending[direction].add(slab)
+
+    def end(self, direction: int) -> None:
+        """Update the slabs of one direction that recorded amaxes since their last update.
+
+        Slabs reduced over a process group update every step, recorded or not: a rank
+        that skipped every module of a slab this step must still join the all_reduce
+        (its columns contribute amax 0), or the other ranks would wait forever. Slabs
+        are visited in creation order, the same on every rank.
+        """
+        pending = self.pending[direction]
+        for (_, slab_direction, _), slab in self.slabs.items():
+            if slab_direction == direction and (slab in pending or slab.group is not None):
+                slab.update()
+        pending.clear()
+
+    def frame_exited(self, frame: Any) -> None:
+        """Called by autocast on exit: the outermost active level ends the forward step.
+
+        Scales move only after training (grad-enabled) or calibrating forwards; amaxes
+        seen under no_grad stay recorded and join the next update.
+        """
+        if frame.opens_step():
+            if torch.is_grad_enabled() or frame.calibrating:
+                self.end(FORWARD)
+            frame._ts.step_claimed = False

@@ -1,0 +1,153 @@
+"""Scaled GEMM ``a @ b.T`` of two quantized operands.
+
+Two paths, chosen once per (device type, scaling family) by ``hardware.gemm_backend``:
+
+- hardware: ``torch._scaled_mm`` over the FP8 data with per-tensor or per-row scales;
+- emulation: dequantize both operands to FP32 and matmul (FP32 accumulation), which is
+  what the tensor cores compute, up to FP32 rounding. Every family has it.
+
+``backend="hardware" | "emulate"`` forces a path for one call (tests compare the two).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import hardware
+from .tensor import Float8Tensor, QuantizedTensor, block_family
+
+BACKENDS = ("hardware", "emulate")
+
+
+def operand_family(x: QuantizedTensor) -> str:
+    """The GEMM family of ``x``'s row-wise layout."""
+    if isinstance(x, Float8Tensor):
+        return block_family(x.block)
+    return x.family
+
+
+def scaled_mm(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    out_dtype: torch.dtype = torch.float32,
+    bias: torch.Tensor | None = None,
+    accumulate: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``a @ b.T`` (+ ``bias``) in ``out_dtype``, contracting the last dim of both.
+
+    ``a`` is ``[..., K]`` (leading dims kept in the output), ``b`` is ``[N, K]``; both
+    use their row-wise layouts (``w.t()`` gives the transposed operand when ``w`` was
+    quantized with ``columnwise=True``). With ``accumulate`` (an FP32 ``[.., N]``
+    tensor) the product is added into it in place and it is returned, as for
+    gradient accumulation.
+    """
+    family = _check_operands(a, b)
+    if backend is None:
+        chosen, reason = hardware.gemm_backend(a.device.type, family)
+        if chosen is None:
+            raise RuntimeError(f"scaled_mm: {reason}")
+    elif backend in BACKENDS:
+        chosen = backend
+        if backend == "hardware" and not hardware.has_kernel(a.device.type, family):
+            raise RuntimeError(
+                f"scaled_mm: no torch._scaled_mm kernel for {family} scaling on "
+                f"{a.device.type}"
+            )
+    else:
+        raise ValueError(f"scaled_mm: backend must be one of {BACKENDS} or None, got {backend!r}")
+
+    if chosen == "hardware" and _fits_kernel(a, b):
+        out = _scaled_mm_hardware(a, b, out_dtype, bias, accumulate)
+    else:
+        out = _scaled_mm_emulated(a, b, out_dtype, bias, accumulate)
+    return out.reshape(*a.shape[:-1], b.shape[0])
+
+
+def _check_operands(a: QuantizedTensor, b: QuantizedTensor) -> str:
+    for name, x in (("a", a), ("b", b)):
+        if not isinstance(x, QuantizedTensor):
+            raise TypeError(
+                f"scaled_mm: {name} must be a quantized tensor (fc.quantize), "
+                f"got {type(x).__name__}"
+            )
+        if x.data is None:
+            raise ValueError(
+                f"scaled_mm: {name} has no row-wise data; quantize it with rowwise=True "
+                "(or pass .t() of a tensor quantized with columnwise=True)"
+            )
+    if len(b.shape) != 2:
+        raise ValueError(f"scaled_mm: b must be 2D [N, K], got shape {tuple(b.shape)}")
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(
+            f"scaled_mm: contraction dims differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}"
+        )
+    if a.device != b.device:
+        raise ValueError(f"scaled_mm: operands on different devices: {a.device} and {b.device}")
+    fa, fb = operand_family(a), operand_family(b)
+    # Mixed families have no common kernel; the emulation handles any pair.
+    return fa if fa == fb else "mixed"
+
+
+def _fits_kernel(a: QuantizedTensor, b: QuantizedTensor) -> bool:
+    """Shape and format limits of the CUDA FP8 kernels (the CPU kernel has none)."""
+    if a.device.type != "cuda":
+        return True
+    k, n = a.shape[-1], b.shape[0]
+    both_e5m2 = a.fmt == "e5m2" and b.fmt == "e5m2"
+    return k % 16 == 0 and n % 16 == 0 and not both_e5m2
+
+
+def _scaled_mm_hardware(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    accumulate: torch.Tensor | None,
+) -> torch.Tensor:
+    k = a.shape[-1]
+    a2 = a.data.reshape(-1, k)
+    b2 = b.data.reshape(-1, k)
+    scale_a, scale_b = a.scale_inv, b.scale_inv
+    if b.block == (1, 0):  # per-row scales of b are per-column scales of b.T
+        scale_a, scale_b = scale_a.reshape(-1, 1), scale_b.reshape(1, -1)
+    # The kernel adds a bias of the output dtype in its FP32 epilogue; any other bias,
+    # or an accumulation, needs the FP32 product first.
+    fuse_bias = bias is not None and bias.dtype == out_dtype and accumulate is None
+    direct = accumulate is None and (bias is None or fuse_bias)
+    out = torch._scaled_mm(
+        a2,
+        b2.t(),
+        scale_a=scale_a,
+        scale_b=scale_b,
+        bias=bias if fuse_bias else None,
+        out_dtype=out_dtype if direct else torch.float32,
+    )
+    return _finish(out, out_dtype, None if fuse_bias else bias, accumulate)
+
+
+def _scaled_mm_emulated(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    accumulate: torch.Tensor | None,
+) -> torch.Tensor:
+    out = a.dequantize_rowwise_2d() @ b.dequantize_rowwise_2d().t()
+    return _finish(out, out_dtype, bias, accumulate)
+
+
+def _finish(
+    out: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    accumulate: torch.Tensor | None,
+) -> torch.Tensor:
+    """Add bias (in FP32, before rounding to ``out_dtype``) or accumulate into a buffer."""
+    if accumulate is not None:
+        if bias is not None:
+            out = out + bias.float()
+        return accumulate.add_(out.reshape(accumulate.shape))
+    if bias is not None:
+        out = out.add_(bias)  # out is FP32 here
+    return out.to(out_dtype)
