@@ -184,16 +184,18 @@ class QuantizedTensor:
 
     def _clone_meta(self) -> QuantizedTensor:
         clone = object.__new__(type(self))
-        for name in type(self)._all_slots():
+        for name in type(self)._slot_names:
             setattr(clone, name, getattr(self, name))
         return clone
 
-    @classmethod
-    def _all_slots(cls) -> tuple[str, ...]:
-        names: list[str] = []
-        for klass in cls.__mro__:
-            names.extend(getattr(klass, "__slots__", ()))
-        return tuple(names)
+    _slot_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Every slot of the class and its bases, for copying and unflattening.
+        cls._slot_names = tuple(
+            name for klass in cls.__mro__ for name in getattr(klass, "__slots__", ())
+        )
 
     @property
     def nbytes(self) -> int:
@@ -227,7 +229,7 @@ class QuantizedTensor:
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"not a dtype: {ctx['dtype']!r}")
         obj = object.__new__(klass)
-        for name in klass._all_slots():
+        for name in klass._slot_names:
             setattr(obj, name, None)
         for name in klass.inner_names:
             setattr(obj, name, inner_tensors.get(name))

@@ -75,17 +75,18 @@ def scale_from_amax(
     """Quantization scale ``fmt_max / amax / 2**margin`` (FP32), elementwise.
 
     amax 0, NaN or infinite gives ``fallback`` (1.0, or the previous scale for delayed
-    scaling); a tiny amax whose scale overflows FP32 gives the FP32 max.
+    scaling); ``epsilon`` floors the amax first; a tiny amax whose scale would overflow
+    FP32 gives the FP32 max. Five tensor operations: this runs for every quantization.
     """
-    amax = amax.float()
+    usable = torch.nan_to_num(amax.float(), nan=0.0, posinf=0.0)
     if epsilon > 0:
-        amax = amax.clamp_min(epsilon)
-    scale = (fmt_max / 2.0**margin) / amax
-    scale = scale.clamp_max_(FP32_MAX)
+        usable = usable.clamp_min(epsilon)
+    target = fmt_max / 2.0**margin
+    # Flooring at target / FP32_MAX keeps the reciprocal finite.
+    scale = usable.clamp_min(target / FP32_MAX).reciprocal_().mul_(target)
     if power_2:
         scale = round_to_power_of_2(scale)
-    usable = (amax > 0) & (amax < float("inf"))
-    return torch.where(usable, scale, fallback)
+    return torch.where(usable > 0, scale, fallback)
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:

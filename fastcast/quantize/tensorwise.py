@@ -20,7 +20,12 @@ def quantize_with_scale(
     """Quantize ``x`` with the per-tensor ``scale`` (FP32 scalar tensor)."""
     data = saturating_cast(x.float() * scale if x.dtype != torch.float32 else x * scale, fmt)
     # Per-tensor FP8 transposes exactly: the column-wise layout is the transposed data.
-    data_t = as_matrix(data).t().contiguous() if columnwise else None
+    # CUDA kernels need it materialised; the CPU kernel and the emulation take the view.
+    data_t = None
+    if columnwise:
+        data_t = as_matrix(data).t()
+        if data_t.device.type != "cpu":
+            data_t = data_t.contiguous()
     # A fresh tensor, so a later in-place scale update cannot change what this holds.
     scale_inv = scale.reciprocal()
     return Float8Tensor(
