@@ -66,8 +66,8 @@ class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
         ts.frame = self._prev
         # Only threads that ran delayed-scaling modules have a registry; it decides
         # whether this level ends the step (outermost enabled) and updates the scales.
-        if ts.registry is not None and exc_type is None:
-            ts.registry.frame_exited(self)
+        if ts.registry is not None:
+            ts.registry.frame_exited(self, exc_type is None)
         self._prev = None
 
     def __call__(self, fn: F) -> F:

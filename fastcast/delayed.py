@@ -184,13 +184,13 @@ class DelayedScalingRegistry:
                 slab.update()
         pending.clear()
 
-    def frame_exited(self, frame: Any) -> None:
+    def frame_exited(self, frame: Any, ok: bool = True) -> None:
         """Called by autocast on exit: the outermost active level ends the forward step.
 
-        Scales move only after training (grad-enabled) or calibrating forwards; amaxes
-        seen under no_grad stay recorded and join the next update.
+        Scales move only after training (grad-enabled) or calibrating forwards that
+        finished (``ok``); amaxes seen otherwise stay recorded and join the next update.
         """
         if frame.opens_step():
-            if torch.is_grad_enabled() or frame.calibrating:
+            if ok and (torch.is_grad_enabled() or frame.calibrating):
                 self.end(FORWARD)
             frame._ts.step_claimed = False
