@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .profiling import annotate
 from .quantize.base import scale_from_amax
 from .recipe import ELEMENT_MAX, DelayedScaling
 
@@ -170,6 +171,7 @@ class DelayedScalingRegistry:
     def mark(self, slab: Slab, direction: int) -> None:
         self.pending[direction].add(slab)
 
+    @annotate("fastcast.amax_update")
     def end(self, direction: int) -> None:
         """Update the slabs of one direction that recorded amaxes since their last update.
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import hardware
+from .profiling import annotate
 from .tensor import Float8Tensor, QuantizedTensor, block_family
 
 BACKENDS = ("hardware", "emulate")
@@ -26,6 +27,7 @@ def operand_family(x: QuantizedTensor) -> str:
     return x.family
 
 
+@annotate("fastcast.scaled_mm")
 def scaled_mm(
     a: QuantizedTensor,
     b: QuantizedTensor,

@@ -12,6 +12,7 @@ from torch import nn
 from ..checkpoint import decode_extra_state, encode_extra_state
 from ..delayed import BACKWARD, FORWARD, ScalingMeta
 from ..gemm import scaled_mm
+from ..profiling import annotate
 from ..quantize.base import check_input
 from ..quantize.tensorwise import FixedScaleQuantizer, record_amax
 from ..state import claim_step_start, get_thread_state, thread_state
@@ -74,6 +75,7 @@ class Linear(nn.Module):
         )
 
     # -- the hot path ---------------------------------------------------------------------
+    @annotate("fastcast.Linear.forward")
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         try:
             ts = get_thread_state()
@@ -230,6 +232,7 @@ class _LinearFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @annotate("fastcast.Linear.backward")
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
         x_t, w_t = _unflatten_saved(ctx.saved_tensors, ctx.layouts)

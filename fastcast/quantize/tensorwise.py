@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import Float8Tensor
 from .base import as_matrix, check_input, saturating_cast, scale_from_amax, tensor_amax
@@ -14,6 +15,7 @@ from .base import as_matrix, check_input, saturating_cast, scale_from_amax, tens
 WHOLE = (0, 0)  # one scale for the whole tensor
 
 
+@annotate("fastcast.quantize.tensorwise")
 def quantize_with_scale(
     x: torch.Tensor, scale: torch.Tensor, fmt: str, rowwise: bool, columnwise: bool
 ) -> Float8Tensor:
