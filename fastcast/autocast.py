@@ -38,27 +38,30 @@ class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
         self._prev = None
 
     def __enter__(self) -> autocast:
+        if self._prev is not None:
+            raise RuntimeError("this fc.autocast instance is already active; create a new one")
         try:
             ts = get_thread_state()
         except LookupError:  # this thread's first autocast
             ts = thread_state()
-        self._ts = ts
-        if self.recipe is not ts.last_good_recipe:
+        recipe = self.recipe
+        if recipe is not ts.last_good_recipe and recipe is not ts.other_good_recipe:
             self._check_recipe(ts)
-        if self._prev is not None:
-            raise RuntimeError("this fc.autocast instance is already active; create a new one")
+        self._ts = ts
         self._prev = ts.frame
         ts.frame = self
         return self
 
     def _check_recipe(self, ts: ThreadState) -> None:
         # Raises for a non-recipe, or for a recipe this machine cannot run when enabled
-        # (a disabled level runs nothing). A recipe that passed is remembered per thread,
-        # so the usual loop over one recipe pays an identity test, not a look-up.
+        # (a disabled level runs nothing). The last two recipes that passed are remembered
+        # per thread, so a loop over one recipe (or an outer and an inner one) pays an
+        # identity test, not a look-up.
         recipe = self.recipe
         if recipe_type_problem.get(type(recipe), True) is not None:
             recipe_type_problem.check(recipe, self.enabled)
         if recipe_type_problem[type(recipe)] is None:
+            ts.other_good_recipe = ts.last_good_recipe
             ts.last_good_recipe = recipe
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

@@ -182,9 +182,9 @@ def refresh() -> None:
     for fn in (gemm_mode, cuda_capability, _backend, unsupported_reason, default_recipe):
         fn.cache_clear()
     recipe_type_problem.clear()
-    from .state import thread_state  # noqa: PLC0415 - state imports hardware's users
+    from .state import forget_checked_recipes  # noqa: PLC0415 - avoids an import cycle
 
-    thread_state().last_good_recipe = None
+    forget_checked_recipes()
 
 
 def _available(family: str) -> tuple[bool, str]:

@@ -56,9 +56,9 @@ class Recipe:
     # Subclasses are frozen slotted dataclasses declared with repr=False, eq=False,
     # so that these three methods (not generated ones) are used.
     def __post_init__(self) -> None:
+        self._check()  # may normalise fields (e.g. -0.0 to 0.0), so values come after
         names = [f.name for f in dataclasses.fields(self)]
         values = tuple(getattr(self, n) for n in names)
-        self._check()
         for name, value in zip(names, values):
             try:
                 hash(value)
@@ -74,7 +74,7 @@ class Recipe:
         object.__setattr__(self, "_hash", hash((type(self), values)))
 
     def _check(self) -> None:
-        """Raise ValueError for an invalid combination of fields."""
+        """Raise ValueError for an invalid combination of fields (may normalise fields)."""
 
     def __repr__(self) -> str:
         return self._repr
@@ -191,6 +191,8 @@ class Float8CurrentScaling(Recipe):
             and eps >= 0,
             f"{name}: amax_epsilon must be a finite number >= 0, got {eps!r}",
         )
+        # 0, 0.0 and -0.0 are one value: store it one way so that the repr agrees too.
+        object.__setattr__(self, "amax_epsilon", float(eps) + 0.0)
 
 
 @_frozen
@@ -218,7 +220,7 @@ class Float8BlockScaling(Recipe):
         }
         for field, dim in dims.items():
             _require(
-                dim in (1, 2) and not isinstance(dim, bool),
+                type(dim) is int and dim in (1, 2),
                 f"{name}: {field} must be 1 (1x128 tiles) or 2 (128x128 tiles), got {dim!r}",
             )
         # Each GEMM needs at least one operand with 1D tiles.

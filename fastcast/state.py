@@ -44,9 +44,19 @@ class AutocastFrame:
         return self.enabled or self.calibrating
 
     def opens_step(self) -> bool:
-        """Whether this active frame sits directly on an inactive one (a step's outermost)."""
-        prev = self._prev  # set while the frame is active
-        return (self.enabled or self.calibrating) and not (prev.enabled or prev.calibrating)
+        """Whether this frame is the outermost active (enabled or calibrating) one.
+
+        Looks down the whole chain: in enabled -> disabled -> enabled, only the first
+        level opens the step. Called on exit only, by threads with delayed scaling.
+        """
+        if not (self.enabled or self.calibrating):
+            return False
+        frame = self._prev
+        while frame is not None:
+            if frame.enabled or frame.calibrating:
+                return False
+            frame = frame._prev
+        return True
 
     def key(self) -> tuple:
         """This frame's autocast key: ``(recipe, group id)``; computed once per frame."""
@@ -63,7 +73,15 @@ OUTSIDE = AutocastFrame(enabled=False, recipe=None)
 class ThreadState:
     """The state of one thread: its innermost frame and its delayed-scaling registry."""
 
-    __slots__ = ("frame", "step_claimed", "registry", "last_good_recipe", "replay")
+    __slots__ = (
+        "frame",
+        "step_claimed",
+        "registry",
+        "last_good_recipe",
+        "other_good_recipe",
+        "replay",
+        "__weakref__",
+    )
 
     def __init__(self) -> None:
         self.frame: AutocastFrame = OUTSIDE
@@ -71,7 +89,9 @@ class ThreadState:
         # to run, ends the step); the outermost active autocast's exit clears the claim.
         self.step_claimed = False
         self.registry: Any = None  # the delayed-scaling registry, created on first use
-        self.last_good_recipe: Recipe | None = None  # passed the support check here
+        # The two recipes that last passed the support check in this thread.
+        self.last_good_recipe: Recipe | None = None
+        self.other_good_recipe: Recipe | None = None
         # Set inside an activation-checkpointed region (see recompute.py).
         self.replay: Any = None
 
@@ -83,6 +103,10 @@ _thread_state: contextvars.ContextVar[ThreadState] = contextvars.ContextVar("fas
 get_thread_state = _thread_state.get  # raises LookupError before the thread's first use
 
 
+# Every live thread's state, so that a capability refresh can reach all threads.
+_all_thread_states: weakref.WeakSet[ThreadState] = weakref.WeakSet()
+
+
 def thread_state() -> ThreadState:
     """This thread's state object, created on first use."""
     try:
@@ -90,7 +114,14 @@ def thread_state() -> ThreadState:
     except LookupError:
         ts = ThreadState()
         _thread_state.set(ts)
+        _all_thread_states.add(ts)
         return ts
+
+
+def forget_checked_recipes() -> None:
+    """Make every thread check its next recipe again (after a capability refresh)."""
+    for ts in list(_all_thread_states):
+        ts.last_good_recipe = ts.other_good_recipe = None
 
 
 def current_frame() -> AutocastFrame:
@@ -126,22 +157,43 @@ class _GroupIds:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._weak: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._strong: dict[int, tuple[Any, int]] = {}
+        # id(group) -> (weak or strong reference, serial). Keyed by identity: two groups
+        # that happen to compare equal are still two groups.
+        self._by_id: dict[int, tuple[Any, int]] = {}
         self._counter = itertools.count(1)
 
     def serial(self, group: Any) -> int:
         with self._lock:
-            try:
-                serial = self._weak.get(group)
-                if serial is None:
-                    serial = self._weak[group] = next(self._counter)
-                return serial
-            except TypeError:  # not weak-referenceable
-                entry = self._strong.get(id(group))
-                if entry is None or entry[0] is not group:
-                    entry = self._strong[id(group)] = (group, next(self._counter))
+            entry = self._by_id.get(id(group))
+            if entry is not None and _deref(entry[0]) is group:
                 return entry[1]
+            serial = next(self._counter)
+            try:
+                ref: Any = weakref.ref(group, self._forget)
+            except TypeError:  # not weak-referenceable: keep it alive instead
+                ref = _Strong(group)
+            self._by_id[id(group)] = (ref, serial)
+            return serial
+
+    def _forget(self, ref: weakref.ref) -> None:
+        with self._lock:
+            for key, (held, _) in list(self._by_id.items()):
+                if held is ref:
+                    del self._by_id[key]
+
+
+class _Strong:
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __call__(self) -> Any:
+        return self.obj
+
+
+def _deref(ref: Any) -> Any:
+    return ref()
 
 
 _group_ids = _GroupIds()

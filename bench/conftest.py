@@ -1,0 +1,64 @@
+"""pytest hooks for the benchmark suites.
+
+Collects each benchmark module's ``TARGETS`` (see ``bench/run.py``), checks their
+shape, and stores them in the pytest-benchmark JSON under ``"fastcast"`` together with
+the library versions, so that a saved JSON can be rendered again on its own.
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+
+import pytest
+
+_TARGETS = pytest.StashKey[list]()
+
+
+def _check_target(module: str, target: object) -> dict:
+    ok = (
+        isinstance(target, tuple)
+        and len(target) == 5
+        and all(isinstance(x, str) for x in (*target[:3], target[4]))
+        and isinstance(target[3], numbers.Real)
+        and target[3] > 0
+    )
+    if not ok:
+        raise pytest.UsageError(
+            f"{module}.TARGETS entries must be (group, subject_test, reference_test, "
+            f"max_ratio > 0, label) tuples, got {target!r}"
+        )
+    group, subject, reference, max_ratio, label = target
+    return {
+        "module": module,
+        "group": group,
+        "subject": subject,
+        "reference": reference,
+        "max_ratio": float(max_ratio),
+        "label": label,
+    }
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k/-m deselect: a module's targets are all kept
+def pytest_collection_modifyitems(session, config, items):
+    targets = config.stash.setdefault(_TARGETS, [])
+    seen = {t["module"] for t in targets}
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None or module.__name__ in seen:
+            continue
+        seen.add(module.__name__)
+        for target in getattr(module, "TARGETS", ()):
+            targets.append(_check_target(module.__name__, target))
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    versions = {"python": sys.version.split()[0]}
+    for name in ("torch", "fastcast", "torchao"):
+        mod = sys.modules.get(name)
+        if mod is not None:
+            versions[name] = getattr(mod, "__version__", "?")
+    output_json["fastcast"] = {
+        "targets": config.stash.get(_TARGETS, []),
+        "versions": versions,
+    }

@@ -1,0 +1,302 @@
+"""Run the benchmark suites and summarise them: ``python -m bench.run [PYTEST ARGS]``.
+
+This is what ``make bench`` runs, from the repository root. It
+
+1. runs pytest on ``bench/`` in one process (so that every ratio compares timings taken
+   in the same process, on the same warm interpreter) with ``--benchmark-only``, a
+   warm-up, the garbage collector off while timing, and the JSON report written to
+   ``bench/results/latest.json``; extra arguments are passed on to pytest
+   (``python -m bench.run -k autocast``; a path argument replaces ``bench/``);
+2. prints a table per benchmark group (median and IQR per iteration, ratio to the
+   group's fastest entry) and a table of targets (measured ratio, limit, PASS/MISS),
+   and writes the same tables in Markdown to ``bench/results/summary.md``;
+3. runs ``python -m bench.train_step`` in a subprocess when ``bench/train_step.py``
+   exists, printing its output;
+4. after a successful run, copies ``latest.json`` to ``bench/results/sample.json``, less
+   the raw per-round timings (the one result file under version control). A filtered
+   run (extra arguments) only does so when no sample exists yet, so that a partial run
+   never replaces a full sample.
+
+The exit status is pytest's (or train_step's when pytest passed): a missed target is
+printed as MISS but does not fail the run. ``python -m bench.run --report FILE`` renders
+the tables of a saved JSON without running anything.
+
+Conventions for benchmark modules
+---------------------------------
+- Files are ``bench/bench_*.py``; tests are ``test_*`` functions that use
+  pytest-benchmark's ``benchmark`` fixture and set ``benchmark.group``.
+- Operations that take well under a microsecond are timed with an inner loop inside the
+  benchmarked function (``for _ in range(INNER): ...``), so that the timer's own cost
+  does not dominate. Record the count as ``benchmark.extra_info["inner"] = INNER``; the
+  tables divide by it and so report per iteration. Give every entry of a group the same
+  inner count and loop shape, so that the loop overhead is the same for all of them.
+- A module may define ``TARGETS = [(group, subject, reference, max_ratio, label), ...]``:
+  ``subject`` and ``reference`` are test names as pytest-benchmark reports them
+  (``test_name``, or ``test_name[param]`` when parametrized), both in ``group``; the
+  target passes when ``median(subject) / median(reference) <= max_ratio``.
+- Per-test timing options can be changed with ``@pytest.mark.benchmark(min_rounds=...,
+  max_time=...)``; slow benchmarks should lower ``min_rounds`` there, not here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+RESULTS = BENCH_DIR / "results"
+LATEST = RESULTS / "latest.json"
+SAMPLE = RESULTS / "sample.json"
+SUMMARY = RESULTS / "summary.md"
+
+PYTEST_OPTIONS = [
+    "-o",
+    "python_files=bench_*.py",
+    "--benchmark-only",
+    f"--benchmark-json={LATEST}",
+    "--benchmark-min-rounds=20",
+    "--benchmark-max-time=0.5",
+    "--benchmark-warmup=on",
+    "--benchmark-warmup-iterations=200",
+    "--benchmark-disable-gc",
+    "--benchmark-quiet",  # our tables replace pytest-benchmark's (which are per call)
+]
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def format_time(seconds: float) -> str:
+    """A duration with three significant digits in ns, µs, ms or s."""
+    if not math.isfinite(seconds):
+        return str(seconds)
+    if seconds == 0:
+        return "0 ns"
+    for unit, scale in (("ns", 1e-9), ("µs", 1e-6), ("ms", 1e-3)):
+        if abs(seconds) < 1000 * scale * (1 - 5e-4):  # would print as 1000 otherwise
+            return _three_digits(seconds / scale, unit)
+    return _three_digits(seconds, "s")
+
+
+def _three_digits(value: float, unit: str) -> str:
+    magnitude = math.floor(math.log10(abs(value))) if value else 0
+    decimals = max(0, 2 - magnitude)
+    text = f"{value:.{decimals}f}"
+    if decimals and float(text) >= 10 ** (magnitude + 1):  # rounding added a digit
+        text = f"{value:.{decimals - 1}f}"
+    return f"{text} {unit}"
+
+
+def format_ratio(ratio: float) -> str:
+    return f"{ratio:.2f}x" if math.isfinite(ratio) else "n/a"
+
+
+def _text_table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+
+    return [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def md_escape(cell: str) -> str:
+    """Escape the characters Markdown would read as table or emphasis syntax."""
+    for char in "\\|_*`":
+        cell = cell.replace(char, "\\" + char)
+    return cell
+
+
+def _md_table(
+    headers: list[str], rows: list[list[str]], right: set[int], raw: frozenset[int] = frozenset()
+) -> list[str]:
+    """A Markdown table; cells of the ``raw`` columns are already Markdown."""
+    align = ["---:" if i in right else "---" for i in range(len(headers))]
+    return [
+        "| " + " | ".join(md_escape(h) for h in headers) + " |",
+        "| " + " | ".join(align) + " |",
+        *(
+            "| " + " | ".join(c if i in raw else md_escape(c) for i, c in enumerate(r)) + " |"
+            for r in rows
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------- report
+
+
+class Entry:
+    """One benchmark, its statistics scaled to one inner iteration."""
+
+    def __init__(self, raw: dict) -> None:
+        self.name: str = raw["name"]
+        # "bench/bench_x.py::test_y[p]" -> "bench.bench_x", the module's import name
+        path = raw.get("fullname", "").split("::")[0]
+        self.module = path.removesuffix(".py").replace("/", ".").replace("\\", ".")
+        self.group: str = raw.get("group") or "(no group)"
+        self.inner = int((raw.get("extra_info") or {}).get("inner", 1)) or 1
+        stats = raw["stats"]
+        self.median = stats["median"] / self.inner
+        self.iqr = stats["iqr"] / self.inner
+        self.rounds = int(stats["rounds"])
+
+
+def load(path: Path) -> tuple[dict, list[Entry]]:
+    data = json.loads(path.read_text())
+    return data, [Entry(b) for b in data.get("benchmarks", [])]
+
+
+def build_report(data: dict, entries: list[Entry]) -> tuple[list[str], list[str], int]:
+    """Text lines, Markdown lines, and the number of missed targets."""
+    text: list[str] = []
+    md: list[str] = ["# fastcast benchmarks", ""]
+    info = data.get("fastcast", {})
+    machine = data.get("machine_info", {})
+    versions = ", ".join(f"{k} {v}" for k, v in info.get("versions", {}).items())
+    cpu = (machine.get("cpu") or {}).get("brand_raw") or machine.get("processor") or "?"
+    about = f"{data.get('datetime', '?')[:19]} | {machine.get('node', '?')} | {cpu}"
+    if versions:
+        about += f" | {versions}"
+    commit = (data.get("commit_info") or {}).get("id")
+    if commit:
+        about += f" | commit {commit[:10]}" + (
+            " (dirty)" if data["commit_info"].get("dirty") else ""
+        )
+    text.append(about)
+    md += [f"_{md_escape(about)}_", "", "Times are per iteration (inner loops divided out).", ""]
+
+    groups: dict[str, list[Entry]] = {}
+    for e in entries:
+        groups.setdefault(e.group, []).append(e)
+    headers = ["benchmark", "median", "IQR", "vs fastest", "rounds"]
+    for group in sorted(groups):
+        members = sorted(groups[group], key=lambda e: e.median)
+        fastest = members[0].median
+        rows = [
+            [
+                e.name,
+                format_time(e.median),
+                format_time(e.iqr),
+                format_ratio(e.median / fastest if fastest > 0 else math.nan),
+                str(e.rounds),
+            ]
+            for e in members
+        ]
+        inners = sorted({e.inner for e in members})
+        note = (
+            f"inner loop {inners[0]}"
+            if len(inners) == 1
+            else f"inner loops differ: {inners}; ratios are still per iteration"
+        )
+        text += ["", f"[{group}]  ({note})", *_text_table(headers, rows, {1, 2, 3, 4})]
+        md += [f"## {md_escape(group)}", "", f"_{md_escape(note)}_", ""]
+        md += [*_md_table(headers, rows, {1, 2, 3, 4}), ""]
+
+    by_key = {(e.module, e.group, e.name): e for e in entries}
+    rows, missed, skipped, not_run = [], 0, 0, 0
+    for t in info.get("targets", []):
+        subject = by_key.get((t["module"], t["group"], t["subject"]))
+        reference = by_key.get((t["module"], t["group"], t["reference"]))
+        if subject is None and reference is None:
+            skipped += 1  # neither ran (filtered out with -k, say)
+            continue
+        limit = f"<= {t['max_ratio']:.2f}x"
+        if subject is None or reference is None:
+            missing = t["subject"] if subject is None else t["reference"]
+            rows.append([t["label"], "n/a", limit, f"NOT RUN ({missing})"])
+            not_run += 1
+            continue
+        ratio = subject.median / reference.median if reference.median > 0 else math.inf
+        ok = ratio <= t["max_ratio"]
+        missed += not ok
+        rows.append([t["label"], format_ratio(ratio), limit, "PASS" if ok else "MISS"])
+    if rows:
+        headers = ["target", "measured", "limit", "result"]
+        measured = len(rows) - not_run
+        summary = f"{measured - missed} of {measured} measured targets met"
+        if not_run + skipped:
+            summary += f" ({not_run + skipped} not measured)"
+        if missed:
+            summary += f"; {missed} MISSED"
+        text += ["", "[targets]  (median ratio subject / reference)"]
+        text += [*_text_table(headers, rows, {1, 2}), summary]
+        md_rows = [[*r[:3], f"**{r[3]}**" if r[3] == "MISS" else md_escape(r[3])] for r in rows]
+        md += ["## Targets", "", *_md_table(headers, md_rows, {1, 2}, raw=frozenset({3}))]
+        md += ["", summary, ""]
+    return text, md, missed
+
+
+def report(path: Path) -> int:
+    data, entries = load(path)
+    if not entries:
+        print(f"no benchmark results in {path}")
+        return 0
+    text, md, _ = build_report(data, entries)
+    print("\n".join(text))
+    SUMMARY.write_text("\n".join(md) + "\n")
+    print(f"\nMarkdown summary: {SUMMARY.relative_to(ROOT)}")
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+
+
+def write_sample(source: Path, dest: Path) -> None:
+    """Copy a result JSON without the raw per-round timings (stats only: small enough
+    to keep under version control)."""
+    data = json.loads(source.read_text())
+    for bench in data.get("benchmarks", []):
+        bench.pop("data", None)
+        bench.get("stats", {}).pop("data", None)
+    dest.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def _has_path_argument(args: list[str]) -> bool:
+    return any(not a.startswith("-") and Path(a.split("::")[0]).exists() for a in args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--report"]:
+        if len(args) != 2:
+            print("usage: python -m bench.run --report FILE.json", file=sys.stderr)
+            return 2
+        return report(Path(args[1]))
+
+    os.chdir(ROOT)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    LATEST.unlink(missing_ok=True)
+    paths = [] if _has_path_argument(args) else [str(BENCH_DIR.relative_to(ROOT))]
+    cmd = [sys.executable, "-m", "pytest", *paths, *PYTEST_OPTIONS, *args]
+    print("$", " ".join(cmd), flush=True)
+    rc = subprocess.call(cmd)
+
+    if LATEST.exists():
+        print()
+        report(LATEST)
+        if rc == 0 and (not args or not SAMPLE.exists()):
+            write_sample(LATEST, SAMPLE)
+            print(f"Sample results: {SAMPLE.relative_to(ROOT)}")
+    else:
+        print(f"pytest wrote no {LATEST.relative_to(ROOT)} (exit status {rc})")
+    if rc != 0:
+        print(f"\npytest failed with exit status {rc}", file=sys.stderr)
+
+    if (BENCH_DIR / "train_step.py").exists():
+        print("\n$ python -m bench.train_step", flush=True)
+        step_rc = subprocess.call([sys.executable, "-m", "bench.train_step"])
+        if step_rc != 0:
+            print(f"bench.train_step failed with exit status {step_rc}", file=sys.stderr)
+            rc = rc or step_rc
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

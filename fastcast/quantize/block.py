@@ -1,0 +1,134 @@
+"""Block-scaled FP8: one FP32 scale per 1x128 or 128x128 tile of the ``[R, K]`` matrix."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..recipe import ELEMENT_MAX
+from ..tensor import Float8Tensor
+from .base import as_matrix, check_input, saturating_cast, scale_from_amax
+
+TILE = 128  # tile extent along K (and along R for 128x128 tiles)
+TILE_ROWS = {1: 1, 2: TILE}  # block_dim -> tile extent along R
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize_tiles(
+    m: torch.Tensor, tile_rows: int, fmt: str, power_2: bool, epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the matrix ``m`` ``[R, K]`` in tiles of ``tile_rows x 128``.
+
+    Returns the FP8 data ``[R, K]`` (contiguous) and the FP32 dequantization scales
+    ``[ceil(R/tile_rows), ceil(K/128)]``. Edge tiles are zero-padded for the amax (a zero
+    never raises an amax), so each partial tile is scaled by its own elements only.
+    """
+    rows, cols = m.shape
+    n_r, n_k = _ceil_div(rows, tile_rows), _ceil_div(cols, TILE)
+    pad_r, pad_k = n_r * tile_rows - rows, n_k * TILE - cols
+    padded = F.pad(m, (0, pad_k, 0, pad_r)) if pad_r or pad_k else m
+    tiles = padded.reshape(n_r, tile_rows, n_k, TILE)
+    # max |x| per tile in FP32 (NaN if the tile holds a NaN; scale_from_amax maps it to 1).
+    amax = torch.linalg.vector_norm(tiles, ord=math.inf, dim=(1, 3), dtype=torch.float32)
+    scale = scale_from_amax(amax, ELEMENT_MAX[fmt], power_2=power_2, epsilon=epsilon)
+    scaled = tiles.float() * scale[:, None, :, None]
+    scaled = scaled.reshape(n_r * tile_rows, n_k * TILE)
+    if pad_r or pad_k:
+        scaled = scaled[:rows, :cols]
+    data = saturating_cast(scaled, fmt).contiguous()
+    return data, scale.reciprocal()
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScalingQuantizer:
+    """FP8 with one FP32 scale per tile. A value object: equal fields, equal quantizers.
+
+    ``block_dim`` 1 scales 1x128 tiles (activations, gradients), 2 scales 128x128 tiles
+    (weights). The tensor is viewed as a matrix ``[R, K]`` (leading dims flattened); each
+    tile's scale is ``fmt_max / amax(tile)``, rounded down to a power of two when
+    ``power_2_scales``, with the amax floored at ``amax_epsilon``; a tile whose amax is 0,
+    NaN or infinite gets scale 1. Shapes need not be multiples of 128: a partial tile at
+    the right or bottom edge is scaled from its own elements alone.
+
+    Layouts:
+
+    - row-wise: ``data`` shaped like the input, ``scale_inv`` ``[R, ceil(K/128)]`` (1x128)
+      or ``[ceil(R/128), ceil(K/128)]`` (128x128);
+    - column-wise: ``data_t`` ``[K, R]``. With 1x128 tiles it is the transposed matrix
+      quantized along the other axis (tiles of 128 consecutive rows for each column,
+      ``scale_inv_t`` ``[K, ceil(R/128)]``), not a transposition of the row-wise tiles;
+      with 128x128 tiles the tiles are the same, so it is exactly the transposed row-wise
+      data and scales.
+    """
+
+    fmt: str = "e4m3"
+    block_dim: int = 1
+    power_2_scales: bool = True
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if self.fmt not in ("e4m3", "e5m2"):
+            raise ValueError(f"{name}: fmt must be e4m3 or e5m2, got {self.fmt!r}")
+        if isinstance(self.block_dim, bool) or self.block_dim not in TILE_ROWS:
+            raise ValueError(
+                f"{name}: block_dim must be 1 (1x128 tiles) or 2 (128x128 tiles), "
+                f"got {self.block_dim!r}"
+            )
+        if not isinstance(self.power_2_scales, bool):
+            raise ValueError(
+                f"{name}: power_2_scales must be a bool, got {type(self.power_2_scales).__name__}"
+            )
+        eps = self.amax_epsilon
+        if (
+            isinstance(eps, bool)
+            or not isinstance(eps, (int, float))
+            or not math.isfinite(eps)
+            or eps < 0
+        ):
+            raise ValueError(
+                f"{name}: amax_epsilon must be a finite number >= 0, got {self.amax_epsilon!r}"
+            )
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """The tile shape ``(rows, cols)`` of the row-wise layout."""
+        return (TILE_ROWS[self.block_dim], TILE)
+
+    def quantize(
+        self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
+    ) -> Float8Tensor:
+        check_input(x)
+        if not (rowwise or columnwise):
+            raise ValueError(f"{type(self).__name__}: ask for rowwise and/or columnwise data")
+        m = as_matrix(x)
+        tile_rows = TILE_ROWS[self.block_dim]
+        args = (self.fmt, self.power_2_scales, self.amax_epsilon)
+        data = scale_inv = data_t = scale_inv_t = None
+        if rowwise or tile_rows == TILE:
+            data, scale_inv = quantize_tiles(m, tile_rows, *args)
+        if columnwise:
+            if tile_rows == TILE:
+                # Square tiles transpose onto themselves.
+                data_t, scale_inv_t = data.t().contiguous(), scale_inv.t().contiguous()
+            else:
+                # Tiles run along R: quantize the transposed matrix (copied first, so
+                # that every pass over it reads memory in order).
+                data_t, scale_inv_t = quantize_tiles(m.t().contiguous(), tile_rows, *args)
+        return Float8Tensor(
+            fmt=self.fmt,
+            shape=x.shape,
+            dtype=x.dtype,
+            data=data.reshape(x.shape) if rowwise else None,
+            scale_inv=scale_inv if rowwise else None,
+            block=self.block,
+            data_t=data_t,
+            scale_inv_t=scale_inv_t,
+            block_t=self.block,
+        )

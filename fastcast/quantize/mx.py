@@ -1,0 +1,146 @@
+"""MXFP8 (OCP Microscaling v1.0): 32 consecutive elements share one E8M0 scale."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import torch
+
+from ..recipe import ELEMENT_MAX
+from ..tensor import MXFP8Tensor
+from .base import as_matrix, check_input, saturating_cast
+
+MX_BLOCK = 32
+E8M0_BIAS = 127
+X_MIN, X_MAX = -127, 127  # shared-exponent range with a finite E8M0 encoding (255 is NaN)
+EMAX_ELEM = {"e4m3": 8, "e5m2": 15}  # exponent of the largest normal element value
+SCALE_RULES = ("rceil", "ocp")
+
+
+def shared_exponent(amax: torch.Tensor, fmt: str, rule: str) -> torch.Tensor:
+    """The unbiased shared exponent X (int32) of blocks whose max magnitude is ``amax``.
+
+    Computed exactly from ``frexp`` (``amax = m * 2**e``, ``0.5 <= m < 1``), never from a
+    rounded ``log2``:
+
+    - ``ocp``: ``floor(log2(amax)) - emax_elem`` = ``e - 1 - emax_elem``;
+    - ``rceil``: ``ceil(log2(amax / fmt_max))``. With ``fmt_max = mf * 2**ef`` the ratio
+      is ``(m / mf) * 2**(e - ef)`` and ``m / mf`` lies in ``(0.5, 2)``, so X is
+      ``e - ef`` plus one exactly when ``m > mf``.
+
+    amax 0 gives -127, an infinite amax 127; the result is clamped to ``[-127, 127]``.
+    """
+    mantissa, exponent = torch.frexp(amax)
+    if rule == "ocp":
+        x = exponent - (1 + EMAX_ELEM[fmt])
+    else:
+        fmt_mantissa, fmt_exponent = math.frexp(ELEMENT_MAX[fmt])
+        x = exponent - fmt_exponent + (mantissa > fmt_mantissa).to(torch.int32)
+    x = torch.where(amax == 0, X_MIN, x)
+    x = torch.where(amax == math.inf, X_MAX, x)
+    return x.clamp_(X_MIN, X_MAX)
+
+
+def power_of_2(n: torch.Tensor) -> torch.Tensor:
+    """``2.0**n`` as FP32 for integer ``n`` in ``[-127, 127]``, built from its bits (exact)."""
+    normal = (n + 127) << 23  # biased exponent field, zero mantissa
+    bits = torch.where(n >= -126, normal, 1 << 22)  # 2**-127 is the subnormal 0x00400000
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def quantize_blocks(m: torch.Tensor, fmt: str, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``m`` ``[R, K]`` (K a multiple of 32) in 1x32 blocks.
+
+    Returns FP8 data ``[R, K]`` (contiguous) and E8M0 bytes ``[R, K/32]`` (uint8).
+    """
+    rows, cols = m.shape
+    blocks = m.reshape(rows, cols // MX_BLOCK, MX_BLOCK).float()
+    magnitude = blocks.abs()
+    # NaN elements do not take part in the amax (an all-NaN block has amax 0).
+    amax = magnitude.masked_fill_(magnitude.isnan(), 0.0).amax(dim=-1)
+    x = shared_exponent(amax, fmt, rule)
+    # Multiplying by a power of two is exact until the result leaves the FP32 normal
+    # range, far below the smallest FP8 subnormal, so only the FP8 cast rounds.
+    scaled = blocks * power_of_2(-x).unsqueeze(-1)
+    data = saturating_cast(scaled, fmt).reshape(rows, cols).contiguous()
+    return data, (x + E8M0_BIAS).to(torch.uint8)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8Quantizer:
+    """MXFP8: FP8 elements with one E8M0 scale (power of two) per 32 consecutive elements.
+
+    A value object: equal fields, equal quantizers. The tensor is viewed as a matrix
+    ``[R, K]`` (leading dims flattened); K must be a multiple of 32, and so must R when
+    the column-wise layout is requested.
+
+    The shared exponent X of a block follows ``scale_rule``:
+
+    - ``"ocp"`` (OCP MX spec v1.0, section 6.3): ``X = floor(log2(amax)) - emax_elem``,
+      emax_elem being 8 for E4M3 and 15 for E5M2. Elements ``x / 2**X`` may exceed the
+      element max (up to almost twice it) and saturate to it.
+    - ``"rceil"`` (cuBLAS / TransformerEngine): ``X = ceil(log2(amax / fmt_max))``, the
+      smallest power of two with ``amax / 2**X <= fmt_max``, so nothing saturates.
+
+    Both compute X exactly from the bits of the amax, clamp it to ``[-127, 127]`` and store
+    the byte ``X + 127`` (255, NaN, is never produced). NaN elements are ignored for the
+    amax and stay NaN in the data; a block that is all zeros or all NaN gets X = -127. An
+    infinite element gives X = 127 and saturates to the element max, like every fastcast
+    cast.
+
+    Layouts: row-wise ``data`` shaped like the input with ``scale_inv`` ``[R, K/32]``;
+    column-wise ``data_t`` ``[K, R]`` is the transposed matrix quantized along R, with its
+    own scales ``scale_inv_t`` ``[K, R/32]``.
+    """
+
+    fmt: str = "e4m3"
+    scale_rule: str = "rceil"
+
+    block: ClassVar[tuple[int, int]] = (1, MX_BLOCK)
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if self.fmt not in EMAX_ELEM:
+            raise ValueError(f"{name}: fmt must be e4m3 or e5m2, got {self.fmt!r}")
+        if self.scale_rule not in SCALE_RULES:
+            raise ValueError(f"{name}: scale_rule must be rceil or ocp, got {self.scale_rule!r}")
+
+    def quantize(
+        self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
+    ) -> MXFP8Tensor:
+        check_input(x)
+        if not (rowwise or columnwise):
+            raise ValueError(f"{type(self).__name__}: ask for rowwise and/or columnwise data")
+        m = as_matrix(x)
+        rows, cols = m.shape
+        if cols % MX_BLOCK:
+            raise ValueError(
+                f"MXFP8 needs the last dimension (K={cols}) to be a multiple of {MX_BLOCK}"
+            )
+        if columnwise and rows % MX_BLOCK:
+            raise ValueError(
+                f"MXFP8 column-wise data needs the row count of the [R, K] view "
+                f"(R={rows}, the product of the leading dimensions) to be a multiple of "
+                f"{MX_BLOCK}"
+            )
+        data = scale_inv = data_t = scale_inv_t = None
+        if rowwise:
+            data, scale_inv = quantize_blocks(m, self.fmt, self.scale_rule)
+            data = data.reshape(x.shape)
+        if columnwise:
+            # Blocks run along R: quantize the transposed matrix (copied first, so that
+            # every pass over it reads memory in order).
+            data_t, scale_inv_t = quantize_blocks(m.t().contiguous(), self.fmt, self.scale_rule)
+        return MXFP8Tensor(
+            fmt=self.fmt,
+            shape=x.shape,
+            dtype=x.dtype,
+            data=data,
+            scale_inv=scale_inv,
+            block=self.block,
+            data_t=data_t,
+            scale_inv_t=scale_inv_t,
+            block_t=self.block,
+        )

@@ -1,0 +1,223 @@
+"""NVFP4: E2M1 elements in blocks of 16 with E4M3 block scales and an FP32 tensor scale.
+
+The two-level scaling NVIDIA defines for Blackwell, with ``amax`` the max magnitude of
+the whole tensor and ``amax_b`` that of one block (all arithmetic in FP32):
+
+- tensor encode scale ``s_enc = (6 * 448) / amax`` (amax 0 or non-finite: 1.0), stored
+  as its reciprocal ``global_scale_inv``;
+- block decode scale ``s_dec = amax_b / 6 * s_enc``, stored as E4M3 with a saturating
+  cast, so the largest block of the tensor gets (about) the largest E4M3 value 448;
+- elements ``v = x * (s_enc / s_dec)``, the multiplier computed once per block from the
+  stored E4M3 ``s_dec`` and clamped to the FP32 max (a block whose ``s_dec`` is 0
+  encodes as zeros), rounded to E2M1 ``{0, 0.5, 1, 1.5, 2, 3, 4, 6}``: to nearest, ties
+  to the even code (the one whose mantissa bit is 0), saturating at 6, the sign of ``x``
+  in bit 3 (a negative value rounding to zero gives -0; -0.0 itself encodes as +0); or,
+  with stochastic rounding, to one of the two neighbouring grid values with probability
+  proportional to proximity;
+- decoding: ``x ~= e2m1 * s_dec * global_scale_inv`` (``NVFP4Tensor``).
+
+Blocks are 16 consecutive elements along K (``1x16``), or 16x16 tiles, whose
+column-wise layout is then the exact transpose of the row-wise one (a weight and its
+transpose share one quantization). The 1x16 column-wise layout quantizes ``x.t()``
+along R with the same tensor scale.
+
+Non-finite inputs: E2M1 has neither NaN nor infinity. A block holding a NaN gets a NaN
+E4M3 scale and codes of +-0, so that whole block, not only the NaN element,
+dequantizes to NaN; the tensor scale then falls back to 1.0. An infinity saturates: its
+block scale clamps to 448 and the element to the code for 6 (with its sign).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from ..recipe import ELEMENT_MAX
+from ..tensor import E2M1_VALUES, NVFP4Tensor
+from .base import FP32_MAX, as_matrix, check_input, saturating_cast
+
+BLOCK = 16
+E2M1_MAX = ELEMENT_MAX["e2m1"]
+E4M3_MAX = ELEMENT_MAX["e4m3"]
+
+# Round to nearest: a magnitude above the midpoint between two neighbouring grid values
+# moves up a code; at the midpoint itself it moves up only when the upper code is even
+# (0.75 -> 1, 1.75 -> 2, 3.5 -> 4; but 0.25 -> 0, 1.25 -> 1, 2.5 -> 2, 5 -> 4).
+_MIDPOINTS: tuple[tuple[float, bool], ...] = tuple(
+    (
+        (E2M1_VALUES[code] + E2M1_VALUES[code + 1]) / 2,
+        (code + 1) % 2 == 0,  # whether a tie rounds up
+    )
+    for code in range(len(E2M1_VALUES) - 1)
+)
+
+
+def _round_nearest_even(mag: torch.Tensor) -> torch.Tensor:
+    """E2M1 magnitude codes (uint8 0..7) of non-negative values; NaN gives 0."""
+    codes = torch.zeros(mag.shape, dtype=torch.uint8, device=mag.device)
+    above = torch.empty(mag.shape, dtype=torch.bool, device=mag.device)
+    for midpoint, tie_up in _MIDPOINTS:
+        (torch.ge if tie_up else torch.gt)(mag, midpoint, out=above)
+        codes += above
+    return codes
+
+
+def _round_stochastic(mag: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """E2M1 magnitude codes, rounding up with probability (mag - lower) / step; NaN gives 0.
+
+    Exact in FP32: the grid spacing is 0.5 below 2, 1 below 4 and 2 up to 6, all powers of
+    two. A value on the grid has probability 0 of moving, and so has one clamped to 6.
+    """
+    clamped = mag.clamp(max=E2M1_MAX)
+    step = torch.where(clamped >= 4.0, 2.0, torch.where(clamped >= 2.0, 1.0, 0.5))
+    units = clamped.div_(step)  # the value in steps of its binade
+    lower = units.floor()
+    units -= lower  # the fraction of a step above the grid value below
+    draw = torch.rand(mag.shape, generator=generator, dtype=torch.float32, device=mag.device)
+    lower += draw < units
+    # Every value is now on the grid, where rounding to nearest is the identity.
+    return _round_nearest_even(lower.mul_(step))
+
+
+def _global_encode_scale(block_amax: torch.Tensor) -> torch.Tensor:
+    """``s_enc = 6 * 448 / amax`` as an FP32 scalar (1.0 for amax 0, NaN or infinite).
+
+    ``torch.div(number, tensor)`` divides; ``number / tensor`` would multiply by the
+    reciprocal, rounding twice (``scale_from_amax`` does that today).
+    """
+    if block_amax.numel() == 0:
+        amax = torch.zeros((), dtype=torch.float32, device=block_amax.device)
+    else:
+        amax = block_amax.amax()  # NaN propagates, giving the fallback
+    scale = torch.div(E2M1_MAX * E4M3_MAX, amax).clamp_max_(FP32_MAX)
+    usable = (amax > 0) & (amax < float("inf"))
+    return torch.where(usable, scale, 1.0)
+
+
+def _encode(
+    blocks: torch.Tensor,
+    mag: torch.Tensor,
+    block_amax: torch.Tensor,
+    s_enc: torch.Tensor,
+    stochastic: bool,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signed E2M1 codes (uint8, shaped like ``blocks``) and E4M3 block scales.
+
+    ``blocks`` is ``[rows/tr, tr, cols/16, 16]`` (FP32), ``mag`` its magnitudes (a
+    temporary, overwritten) and ``block_amax`` its per-tile max ``[rows/tr, cols/16]``.
+    """
+    # A divisor on the device: CUDA multiplies by the reciprocal of a CPU scalar instead.
+    six = torch.full((), E2M1_MAX, dtype=torch.float32, device=block_amax.device)
+    s_dec = saturating_cast(block_amax.div(six).mul_(s_enc), "e4m3")
+    s_dec_f32 = s_dec.float()
+    # The per-block encode multiplier; a zero decode scale means the block encodes as 0.
+    encode = torch.where(s_dec_f32 == 0, 0.0, (s_enc / s_dec_f32).clamp_max_(FP32_MAX))
+    scaled = mag.mul_(encode[:, None, :, None])
+    if stochastic:
+        codes = _round_stochastic(scaled, generator)
+    else:
+        codes = _round_nearest_even(scaled)
+    codes.add_(blocks < 0, alpha=8)  # the sign bit; NaN and -0.0 compare False: code +0
+    return codes, s_dec
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[n, m]`` to ``[n, m/2]`` bytes, the first of each pair in the low nibble."""
+    pairs = codes.reshape(codes.shape[0], codes.shape[1] // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def _tiles(matrix: torch.Tensor, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[rows, cols]`` as ``[rows/tr, tr, cols/16, 16]`` tiles, their magnitudes and amaxes."""
+    rows, cols = matrix.shape
+    blocks = matrix.reshape(rows // tile_rows, tile_rows, cols // BLOCK, BLOCK)
+    mag = blocks.abs()
+    return blocks, mag, mag.amax(dim=(1, 3))
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Quantizer:
+    """NVFP4 quantization (see the module docstring). A value object.
+
+    ``block_2d``: 16x16 tiles instead of 1x16 blocks (weights). ``stochastic_rounding``:
+    round elements stochastically (gradients), drawing from ``generator`` when given.
+    """
+
+    block_2d: bool = False
+    stochastic_rounding: bool = False
+
+    fmt: ClassVar[str] = "e2m1"
+
+    def __post_init__(self) -> None:
+        for name in ("block_2d", "stochastic_rounding"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"NVFP4Quantizer: {name} must be a bool, got {value!r}")
+
+    def quantize(
+        self,
+        x: torch.Tensor,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> NVFP4Tensor:
+        check_input(x)
+        if not (rowwise or columnwise):
+            raise ValueError("NVFP4Quantizer: ask for rowwise and/or columnwise data")
+        matrix = as_matrix(x)
+        rows, cols = matrix.shape
+        if cols % BLOCK:
+            raise ValueError(
+                f"NVFP4 needs the last dimension (K={cols}) to be a multiple of {BLOCK}; "
+                f"got a tensor of shape {tuple(x.shape)}"
+            )
+        if (self.block_2d or columnwise) and rows % BLOCK:
+            why = "16x16 tiles" if self.block_2d else "a column-wise layout"
+            raise ValueError(
+                f"NVFP4 with {why} needs the number of rows (R={rows}, the product of all "
+                f"but the last dimension) to be a multiple of {BLOCK}; got a tensor of "
+                f"shape {tuple(x.shape)}"
+            )
+        matrix = matrix.float()
+        tile_rows = BLOCK if self.block_2d else 1
+        sr, gen = self.stochastic_rounding, generator
+
+        data = scale_inv = data_t = scale_inv_t = None
+        s_enc = None
+        if rowwise or self.block_2d:
+            blocks, mag, amax = _tiles(matrix, tile_rows)
+            s_enc = _global_encode_scale(amax)
+            codes, scales = _encode(blocks, mag, amax, s_enc, sr, gen)
+            codes = codes.reshape(rows, cols)
+            if rowwise:
+                data = _pack(codes).reshape(*x.shape[:-1], cols // 2)
+                scale_inv = scales
+        if columnwise:
+            if self.block_2d:
+                # The same tiles, transposed: codes and scales move, nothing is re-rounded.
+                data_t = _pack(codes.t())
+                scale_inv_t = scales.t().contiguous()
+            else:
+                blocks, mag, amax = _tiles(matrix.t(), 1)
+                if s_enc is None:
+                    s_enc = _global_encode_scale(amax)
+                codes_t, scale_inv_t = _encode(blocks, mag, amax, s_enc, sr, gen)
+                data_t = _pack(codes_t.reshape(cols, rows))
+
+        block = (tile_rows, BLOCK)
+        return NVFP4Tensor(
+            fmt=self.fmt,
+            shape=x.shape,
+            dtype=x.dtype,
+            data=data,
+            scale_inv=scale_inv,
+            block=block,
+            data_t=data_t,
+            scale_inv_t=scale_inv_t,
+            block_t=block,
+            global_scale_inv=s_enc.reciprocal(),
+        )
