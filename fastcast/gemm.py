@@ -63,7 +63,9 @@ def scaled_mm(
         out = _scaled_mm_hardware(a, b, out_dtype, bias, accumulate)
     else:
         out = _scaled_mm_emulated(a, b, out_dtype, bias, accumulate)
-    return out.reshape(*a.shape[:-1], b.shape[0])
+    if len(a.shape) != 2:
+        out = out.reshape(*a.shape[:-1], b.shape[0])
+    return out
 
 
 def _check_operands(a: QuantizedTensor, b: QuantizedTensor) -> str:
@@ -107,9 +109,8 @@ def _scaled_mm_hardware(
     bias: torch.Tensor | None,
     accumulate: torch.Tensor | None,
 ) -> torch.Tensor:
-    k = a.shape[-1]
-    a2 = a.data.reshape(-1, k)
-    b2 = b.data.reshape(-1, k)
+    a2 = a.data if len(a.shape) == 2 else a.data.reshape(-1, a.shape[-1])
+    b2 = b.data
     scale_a, scale_b = a.scale_inv, b.scale_inv
     if b.block == (1, 0):  # per-row scales of b are per-column scales of b.T
         scale_a, scale_b = scale_a.reshape(-1, 1), scale_b.reshape(1, -1)
@@ -152,4 +153,4 @@ def _finish(
         return accumulate.add_(out.reshape(accumulate.shape))
     if bias is not None:
         out = out.add_(bias)  # out is FP32 here
-    return out.to(out_dtype)
+    return out if out.dtype == out_dtype else out.to(out_dtype)

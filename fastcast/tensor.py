@@ -107,7 +107,10 @@ class QuantizedTensor:
         return scales.float()
 
     def _rows_cols(self, data: torch.Tensor) -> tuple[int, int]:
-        return data.numel() // data.shape[-1], data.shape[-1]
+        shape = data.shape
+        if len(shape) == 2:
+            return shape[0], shape[1]
+        return data.numel() // shape[-1], shape[-1]
 
     # -- public --------------------------------------------------------------------------
     @property

@@ -238,15 +238,19 @@ class _LinearFunction(torch.autograd.Function):
         x_t, w_t = _unflatten_saved(ctx.saved_tensors, ctx.layouts)
         step = ctx.step
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
-        g2d = grad_out.reshape(-1, grad_out.shape[-1])
+        g2d = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
         g_q = step.grad_q.quantize(g2d, rowwise=need_dgrad, columnwise=need_wgrad)
         dgrad = wgrad = bgrad = None
         if need_dgrad:  # [M, N] @ [N, K]
-            dgrad = scaled_mm(g_q, w_t, out_dtype=x_dtype).reshape(x_shape)
+            dgrad = scaled_mm(g_q, w_t, out_dtype=x_dtype)
+            if len(x_shape) != 2:
+                dgrad = dgrad.reshape(x_shape)
         if need_wgrad:  # [N, M] @ [M, K]
             wgrad = scaled_mm(g_q.columnwise_operand(), x_t, out_dtype=w_dtype)
         if need_bgrad:
-            bgrad = g2d.sum(dim=0, dtype=torch.float32).to(b_dtype)
+            bgrad = g2d.sum(dim=0, dtype=torch.float32)
+            if b_dtype != torch.float32:
+                bgrad = bgrad.to(b_dtype)
         step.mark_backward()
         return dgrad, wgrad, bgrad, None, None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -44,7 +45,9 @@ def check_input(x: object, what: str = "input") -> torch.Tensor:
 
 def as_matrix(x: torch.Tensor) -> torch.Tensor:
     """``[..., K]`` viewed as ``[R, K]`` (copying only if the layout needs it)."""
-    return x.reshape(-1, x.shape[-1])
+    shape = x.shape
+    # An explicit row count: reshape(-1, 0) is ambiguous when K == 0.
+    return x if len(shape) == 2 else x.reshape(math.prod(shape[:-1]), shape[-1])
 
 
 def saturating_cast(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -76,14 +79,16 @@ def scale_from_amax(
 
     amax 0, NaN or infinite gives ``fallback`` (1.0, or the previous scale for delayed
     scaling); ``epsilon`` floors the amax first; a tiny amax whose scale would overflow
-    FP32 gives the FP32 max. Five tensor operations: this runs for every quantization.
+    FP32 gives the FP32 max. Few tensor operations: this runs for every quantization.
     """
-    usable = torch.nan_to_num(amax.float(), nan=0.0, posinf=0.0)
+    amax = amax.float()
+    usable = torch.nan_to_num(amax, nan=0.0, posinf=0.0)
     if epsilon > 0:
-        usable = usable.clamp_min(epsilon)
+        # Floor finite amaxes only: NaN/inf must still give the fallback.
+        usable = torch.where(torch.isfinite(amax), usable.clamp_min(epsilon), 0.0)
     target = fmt_max / 2.0**margin
-    # Flooring at target / FP32_MAX keeps the reciprocal finite.
-    scale = usable.clamp_min(target / FP32_MAX).reciprocal_().mul_(target)
+    # One correctly rounded division; flooring at target / FP32_MAX keeps it finite.
+    scale = torch.div(target, usable.clamp_min(target / FP32_MAX))
     if power_2:
         scale = round_to_power_of_2(scale)
     return torch.where(usable > 0, scale, fallback)

@@ -34,7 +34,7 @@ def quantize_tiles(
     pad_r, pad_k = n_r * tile_rows - rows, n_k * TILE - cols
     padded = F.pad(m, (0, pad_k, 0, pad_r)) if pad_r or pad_k else m
     tiles = padded.reshape(n_r, tile_rows, n_k, TILE)
-    # max |x| per tile in FP32 (NaN if the tile holds a NaN; scale_from_amax maps it to 1).
+    # max |x| per tile in FP32 (NaN if the tile holds a NaN: scale_from_amax handles it).
     amax = torch.linalg.vector_norm(tiles, ord=math.inf, dim=(1, 3), dtype=torch.float32)
     scale = scale_from_amax(amax, ELEMENT_MAX[fmt], power_2=power_2, epsilon=epsilon)
     scaled = tiles.float() * scale[:, None, :, None]
@@ -52,9 +52,10 @@ class BlockScalingQuantizer:
     ``block_dim`` 1 scales 1x128 tiles (activations, gradients), 2 scales 128x128 tiles
     (weights). The tensor is viewed as a matrix ``[R, K]`` (leading dims flattened); each
     tile's scale is ``fmt_max / amax(tile)``, rounded down to a power of two when
-    ``power_2_scales``, with the amax floored at ``amax_epsilon``; a tile whose amax is 0,
-    NaN or infinite gets scale 1. Shapes need not be multiples of 128: a partial tile at
-    the right or bottom edge is scaled from its own elements alone.
+    ``power_2_scales``, with the amax floored at ``amax_epsilon``; a tile whose amax is 0
+    (without epsilon), NaN or infinite gets scale 1 (``scale_from_amax``). Shapes need not
+    be multiples of 128: a partial tile at the right or bottom edge is scaled from its own
+    elements alone.
 
     Layouts:
 

@@ -1,0 +1,79 @@
+"""An FP8 reference independent of fastcast (and of torch's FP8 casts), for the tests.
+
+The grids of finite values are decoded from the E4M3 / E5M2 bit layouts; rounding picks
+the nearest grid value with ties to the even code and saturates at the largest finite
+value. Everything is float64 or pure Python.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+FMT_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP32_MAX = 3.4028234663852886e38
+
+
+def fp8_grid(fmt: str) -> list[float]:
+    """Finite non-negative FP8 values in code order (index == code), from the bit layout."""
+    mbits, bias = (3, 7) if fmt == "e4m3" else (2, 15)
+    values = []
+    for code in range(0x80):
+        exp, mant = code >> mbits, code & ((1 << mbits) - 1)
+        if fmt == "e4m3" and code == 0x7F:  # S.1111.111 is NaN; E4M3FN has no inf
+            break
+        if fmt == "e5m2" and exp == 0x1F:  # inf and NaN
+            break
+        if exp == 0:
+            values.append(mant / 2**mbits * 2.0 ** (1 - bias))
+        else:
+            values.append((1 + mant / 2**mbits) * 2.0 ** (exp - bias))
+    return values
+
+
+GRIDS = {fmt: torch.tensor(fp8_grid(fmt), dtype=torch.float64) for fmt in FMT_MAX}
+
+
+def encode_fp8(v: torch.Tensor, fmt: str) -> torch.Tensor:
+    """float64 values to FP8 codes (uint8): nearest, ties to the even code, saturating.
+
+    NaN maps to 0x7F (compare NaN positions separately: torch may pick another NaN code).
+    """
+    grid = GRIDS[fmt]
+    a = v.abs().contiguous()
+    hi = torch.searchsorted(grid, a.nan_to_num(0.0)).clamp(max=len(grid) - 1)
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = a - grid[lo], grid[hi] - a
+    take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
+    code = torch.where(take_hi, hi, lo)
+    code = torch.where(a >= grid[-1], len(grid) - 1, code)  # saturate (inf included)
+    code = code | torch.where(torch.signbit(v), 0x80, 0)
+    return torch.where(v.isnan(), 0x7F, code).to(torch.uint8)
+
+
+def decode_fp8(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    """FP8 codes (no NaN among them) to float64."""
+    mag = GRIDS[fmt][(codes & 0x7F).long()]
+    return torch.where((codes & 0x80) != 0, -mag, mag)
+
+
+def to_f32(v: float) -> float:
+    """Round a Python float to the nearest FP32 value."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+def assert_codes_equal(data: torch.Tensor, expected: torch.Tensor, fmt: str) -> None:
+    """FP8 ``data`` holds exactly the ``expected`` codes (NaN anywhere 0x7F is expected)."""
+    assert data.dtype == FP8[fmt]
+    got = data.reshape(expected.shape).view(torch.uint8)
+    nan = expected == 0x7F
+    assert torch.equal(data.reshape(expected.shape).float().isnan(), nan)
+    mismatch = (got != expected) & ~nan
+    if mismatch.any():
+        idx = mismatch.nonzero()[0].tolist()
+        raise AssertionError(
+            f"{int(mismatch.sum())} codes differ, first at {idx}: "
+            f"got {int(got[tuple(idx)]):#04x}, expected {int(expected[tuple(idx)]):#04x}"
+        )
