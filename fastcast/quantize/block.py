@@ -8,6 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import Float8Tensor
 from .base import as_matrix, check_input, saturating_cast, scale_from_amax
@@ -102,6 +103,7 @@ class BlockScalingQuantizer:
         """The tile shape ``(rows, cols)`` of the row-wise layout."""
         return (TILE_ROWS[self.block_dim], TILE)
 
+    @annotate("fastcast.quantize.block")
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
     ) -> Float8Tensor:

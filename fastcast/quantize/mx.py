@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import torch
 
+from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import MXFP8Tensor
 from .base import as_matrix, check_input, saturating_cast
@@ -107,6 +108,7 @@ class MXFP8Quantizer:
         if self.scale_rule not in SCALE_RULES:
             raise ValueError(f"{name}: scale_rule must be rceil or ocp, got {self.scale_rule!r}")
 
+    @annotate("fastcast.quantize.mxfp8")
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
     ) -> MXFP8Tensor:
