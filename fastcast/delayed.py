@@ -172,17 +172,21 @@ class DelayedScalingRegistry:
         self.pending[direction].add(slab)
 
     @annotate("fastcast.amax_update")
-    def end(self, direction: int) -> None:
+    def end(self, direction: int, group: Any = None) -> None:
         """Update the slabs of one direction that recorded amaxes since their last update.
 
-        Slabs reduced over a process group update every step, recorded or not: a rank
-        that skipped every module of a slab this step must still join the all_reduce
-        (its columns contribute amax 0), or the other ranks would wait forever. Slabs
-        are visited in creation order, the same on every rank.
+        Slabs reduced over ``group`` (the step's group) update whether they recorded or
+        not: a rank that skipped every module of a slab this step must still join the
+        all_reduce (its columns contribute amax 0), or the other ranks would wait
+        forever. Slabs of other groups are left alone, so a step under another group (or
+        none) issues no collective of theirs. Slabs are visited in creation order, the
+        same on every rank.
         """
         pending = self.pending[direction]
         for (_, slab_direction, _), slab in self.slabs.items():
-            if slab_direction == direction and (slab in pending or slab.group is not None):
+            if slab_direction != direction:
+                continue
+            if slab in pending or (group is not None and slab.group is group):
                 slab.update()
         pending.clear()
 
@@ -194,5 +198,5 @@ class DelayedScalingRegistry:
         """
         if frame.opens_step():
             if ok and (torch.is_grad_enabled() or frame.calibrating):
-                self.end(FORWARD)
+                self.end(FORWARD, frame.group)
             frame._ts.step_claimed = False

@@ -63,8 +63,11 @@ def scaled_mm(
         out = _scaled_mm_hardware(a, b, out_dtype, bias, accumulate)
     else:
         out = _scaled_mm_emulated(a, b, out_dtype, bias, accumulate)
-    if len(a.shape) != 2:
-        out = out.reshape(*a.shape[:-1], b.shape[0])
+    if len(a.shape) != 2 and accumulate is None:
+        # Reshape the fresh contiguous product in place rather than return a view: an
+        # autograd Function's view output would forbid in-place ops after the layer
+        # (y += residual, ReLU(inplace=True)) that nn.Linear's output allows.
+        out = out.resize_(*a.shape[:-1], b.shape[0])
     return out
 
 

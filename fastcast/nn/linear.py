@@ -210,7 +210,7 @@ class _StepInfo:
         if registry is not None:
             registry.mark(self.plan.bwd_slab, BACKWARD)
             if self.ends_step:
-                registry.end(BACKWARD)
+                registry.end(BACKWARD, self.plan.group)
 
 
 class _LinearFunction(torch.autograd.Function):

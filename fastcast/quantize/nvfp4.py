@@ -3,8 +3,9 @@
 The two-level scaling NVIDIA defines for Blackwell, with ``amax`` the max magnitude of
 the whole tensor and ``amax_b`` that of one block (all arithmetic in FP32):
 
-- tensor encode scale ``s_enc = (6 * 448) / amax`` (amax 0 or non-finite: 1.0), stored
-  as its reciprocal ``global_scale_inv``;
+- tensor encode scale ``s_enc = (6 * 448) / amax`` (amax 0 or non-finite: 1.0; an amax
+  below ``6 * 448 / FP32_MAX`` counts as that), stored as its reciprocal
+  ``global_scale_inv``;
 - block decode scale ``s_dec = amax_b / 6 * s_enc``, stored as E4M3 with a saturating
   cast, so the largest block of the tensor gets (about) the largest E4M3 value 448;
 - elements ``v = x * (s_enc / s_dec)``, the multiplier computed once per block from the
@@ -36,7 +37,7 @@ import torch
 
 from ..recipe import ELEMENT_MAX
 from ..tensor import E2M1_VALUES, NVFP4Tensor
-from .base import FP32_MAX, as_matrix, check_input, saturating_cast
+from .base import FP32_MAX, as_matrix, check_input, saturating_cast, scale_from_amax
 
 BLOCK = 16
 E2M1_MAX = ELEMENT_MAX["e2m1"]
@@ -82,18 +83,12 @@ def _round_stochastic(mag: torch.Tensor, generator: torch.Generator | None) -> t
 
 
 def _global_encode_scale(block_amax: torch.Tensor) -> torch.Tensor:
-    """``s_enc = 6 * 448 / amax`` as an FP32 scalar (1.0 for amax 0, NaN or infinite).
-
-    ``torch.div(number, tensor)`` divides; ``number / tensor`` would multiply by the
-    reciprocal, rounding twice (``scale_from_amax`` does that today).
-    """
+    """``s_enc = 6 * 448 / amax`` as an FP32 scalar (1.0 for amax 0, NaN or infinite)."""
     if block_amax.numel() == 0:
         amax = torch.zeros((), dtype=torch.float32, device=block_amax.device)
     else:
         amax = block_amax.amax()  # NaN propagates, giving the fallback
-    scale = torch.div(E2M1_MAX * E4M3_MAX, amax).clamp_max_(FP32_MAX)
-    usable = (amax > 0) & (amax < float("inf"))
-    return torch.where(usable, scale, 1.0)
+    return scale_from_amax(amax, E2M1_MAX * E4M3_MAX)
 
 
 def _encode(

@@ -1,0 +1,437 @@
+"""Worker processes for ``test_distributed.py`` (two ranks, gloo, CPU).
+
+Spawned processes import their target by name, so everything they run lives here, at
+module level. ``entry`` initialises the process group, runs one *section* (a function
+below that returns a dict of plain tensors, numbers and strings), saves the result to
+``<out_dir>/<section>_rank<r>.pt`` and, on failure, the traceback to
+``<out_dir>/error_rank<r>.txt`` so the test can show it.
+
+The sections do several checks per spawn because starting two interpreters that import
+torch costs seconds on a small machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import threading
+import traceback
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fastcast as fc
+
+# A collective that never completes raises after this long, so a deadlocked rank exits
+# (with a traceback) well before the test's own hard timeout kills it.
+PG_TIMEOUT = datetime.timedelta(seconds=45)
+WIDTH = 64
+LOCAL_BATCH = 32
+
+
+def entry(section: str, rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)  # two ranks share two cores with everything else
+    if sys.platform == "linux":  # both ranks are local: talk over loopback, skip DNS
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=PG_TIMEOUT,
+        )
+        result = SECTIONS[section](rank, world)
+        torch.save(result, os.path.join(out_dir, f"{section}_rank{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"error_rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def isolated(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a new thread, so with a delayed-scaling registry of its own.
+
+    The registry is per thread and, when an outermost autocast exits, updates every slab
+    that has a reduction group, whatever key it belongs to (see
+    ``test_unrelated_autocast_touches_grouped_slabs``); each run below gets a fresh one
+    so that earlier runs' slabs neither take part nor change.
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn(*args)
+        except BaseException as e:  # re-raised in the calling thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def delayed_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A fc.Linear's delayed-scaling state (history and scales, both directions)."""
+    state = module.get_extra_state()
+    return {
+        f"{direction}.{name}": state[direction][name].clone()
+        for direction in ("forward", "backward")
+        for name in ("amax_history", "scale")
+    }
+
+
+def fc_linears(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, fc.Linear)]
+
+
+def make_mlp(depth: int = 3, out_features: int = 32) -> nn.Sequential:
+    """``depth`` fc.Linear layers of width 64 with ReLUs between, identical on every rank."""
+    torch.manual_seed(1234)
+    layers: list[nn.Module] = []
+    for i in range(depth):
+        layers.append(nn.Linear(WIDTH, out_features if i == depth - 1 else WIDTH))
+        if i < depth - 1:
+            layers.append(nn.ReLU())
+    return fc.convert(nn.Sequential(*layers))
+
+
+def global_batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's whole batch ``[world * 32, 64]`` and targets ``[world * 32, 32]``.
+
+    Rank r trains on rows ``r*32:(r+1)*32``, scaled by ``4**r``, so every rank's amaxes
+    differ; the single-process reference trains on all rows at once.
+    """
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(world * LOCAL_BATCH, WIDTH, generator=g)
+    scale = torch.repeat_interleave(4.0 ** torch.arange(world), LOCAL_BATCH).unsqueeze(1)
+    y = torch.randn(world * LOCAL_BATCH, 32, generator=g)
+    return x * scale, y
+
+
+def local_rows(t: torch.Tensor, rank: int) -> torch.Tensor:
+    return t[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor, global_rows: int) -> torch.Tensor:
+    # Sum over the rows at hand divided by the *global* row count: the gradient reaching
+    # each fc.Linear on a rank is then, row for row, the one a single process computes
+    # on the whole batch, so gradient amaxes (and the scales made from them) agree.
+    return (out.float() - y).square().sum() / global_rows
+
+
+def train(
+    model: nn.Module,
+    recipe: Any,
+    group: Any,
+    rank: int | None,
+    world: int,
+    steps: int,
+    lr: float,
+) -> dict[str, Any]:
+    """SGD for ``steps`` steps on this rank's rows (``rank=None``: all rows, one process)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step, world)
+        if rank is not None:
+            x, y = local_rows(x, rank), local_rows(y, rank)
+        with fc.autocast(recipe=recipe, amax_reduction_group=group):
+            loss = loss_fn(model(x), y, world * LOCAL_BATCH)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return {"losses": torch.stack(losses)}
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters by name, gathered to full tensors when sharded (FSDP2 DTensors)."""
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def layer_states(model: nn.Module) -> list[dict[str, torch.Tensor]]:
+    return [delayed_state(m) for m in fc_linears(model)]
+
+
+RECIPES = {
+    "delayed": lambda: fc.DelayedScaling(amax_history_len=16),
+    "current": lambda: fc.Float8CurrentScaling(),
+}
+STEPS = 5
+LR = 0.05
+
+
+def training_run(wrap: Any, recipe_name: str, group: Any, rank: int | None, world: int):
+    """Build the MLP, wrap it (DDP, FSDP2 or nothing), train it; what the tests compare."""
+    model = make_mlp()
+    init = full_params(model)
+    wrapped = wrap(model)
+    # DDP and FSDP2 average gradients over ranks; ``loss_fn`` makes each rank's gradient
+    # its share of the global one, so the distributed runs step with ``lr * world``.
+    lr = LR if rank is None else LR * world
+    res = train(wrapped, RECIPES[recipe_name](), group, rank, world, STEPS, lr)
+    res["init"] = init
+    res["params"] = full_params(model)
+    res["states"] = layer_states(model) if recipe_name == "delayed" else []
+    return res
+
+
+def reference_runs(world: int) -> dict[str, Any]:
+    """Single-process training on the concatenated batch, for every recipe."""
+    unwrapped = lambda m: m
+    return {name: isolated(training_run, unwrapped, name, None, None, world) for name in RECIPES}
+
+
+# -- section: delayed-scaling registry over a group (no DDP) ---------------------------------
+
+
+class CountingAllReduce:
+    """Wraps ``torch.distributed.all_reduce`` (looked up by fastcast at call time).
+
+    ``dry=True`` records without communicating (for calls only one rank might make).
+    """
+
+    def __init__(self, dry: bool = False) -> None:
+        self.calls: list[tuple[int, bool]] = []
+        self.dry = dry
+        self._orig = dist.all_reduce
+
+    def __call__(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        self.calls.append((tensor.numel(), op == dist.ReduceOp.MAX))
+        if self.dry:
+            return None
+        return self._orig(tensor, op=op, group=group, async_op=async_op)
+
+    def __enter__(self) -> CountingAllReduce:
+        dist.all_reduce = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_reduce = self._orig
+
+    def table(self) -> torch.Tensor:
+        return torch.tensor(self.calls, dtype=torch.long).reshape(-1, 2)
+
+
+def average_gradients(model: nn.Module, world: int) -> None:
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _four_layers(rank: int, world: int) -> dict[str, Any]:
+    """Four fc.Linear under DelayedScaling over the group, each rank with its own data
+    (scaled by 4**rank); gradients averaged by hand so the weights stay in sync."""
+    group = dist.group.WORLD
+    model = make_mlp(depth=4, out_features=WIDTH)
+    recipe = fc.DelayedScaling(amax_history_len=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    steps = []
+    for step in range(4):
+        x, y = global_batch(step, world)
+        x, y = local_rows(x, rank), local_rows(y, rank)
+        with CountingAllReduce() as counter:
+            with fc.autocast(recipe=recipe, amax_reduction_group=group):
+                out = model(x)
+            after_forward = len(counter.calls)
+            loss_fn(out[:, :32], y, world * LOCAL_BATCH).backward()
+        average_gradients(model, world)  # not counted: this is the user's all_reduce
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        steps.append(
+            {
+                "local_input_amax": x.abs().max(),
+                "calls": counter.table(),
+                "calls_after_forward": after_forward,
+                "states": layer_states(model),
+            }
+        )
+    # For contrast: current scaling with a group reduces every input and gradient amax
+    # as it quantizes it. Run in a thread of its own (see ``isolated``).
+    x = local_rows(global_batch(0, world)[0], rank)
+    return {"delayed": steps, "current_calls": isolated(_current_step, model, x, group)}
+
+
+def _current_step(model: nn.Module, x: torch.Tensor, group: Any) -> torch.Tensor:
+    with CountingAllReduce() as counter:
+        with fc.autocast(recipe=fc.Float8CurrentScaling(), amax_reduction_group=group):
+            out = model(x)
+        out.sum().backward()
+    return counter.table()
+
+
+def _unrelated_autocasts(rank: int, world: int) -> dict[str, Any]:
+    """After a step under a grouped DelayedScaling key, steps under *other* autocasts
+    (no reduction group at all) must neither communicate nor touch that key's state."""
+    grouped = make_mlp(depth=2)
+    x = local_rows(global_batch(0, world)[0], rank)
+    recipe = fc.DelayedScaling(amax_history_len=8)
+    with fc.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+        out = grouped(x)
+    out.sum().backward()
+    before = layer_states(grouped)
+    other = make_mlp(depth=2)
+    result: dict[str, Any] = {"before": before}
+    # Dry counting: if fastcast does reduce here, only this rank would be in the call.
+    for name, recipe in (("current", fc.Float8CurrentScaling()), ("delayed", fc.DelayedScaling())):
+        with CountingAllReduce(dry=True) as counter:
+            with fc.autocast(recipe=recipe):
+                out = other(x)
+            out.sum().backward()
+        result[f"{name}.calls"] = counter.table()
+        result[f"{name}.after"] = layer_states(grouped)
+    return result
+
+
+def section_registry(rank: int, world: int) -> dict[str, Any]:
+    out = isolated(_four_layers, rank, world)
+    # A rank skips a module in one step.
+    out["skip_same_key"] = isolated(_skip_run, rank, world, False)
+    out["skip_own_key"] = isolated(_skip_run, rank, world, True)
+    out["unrelated"] = isolated(_unrelated_autocasts, rank, world)
+    return out
+
+
+class TwoBranches(nn.Module):
+    """``a(x) + b(2x)``; ``b`` is left out when ``skip_b``; with ``b_recipe`` it runs
+    under a nested autocast of its own (another key, so its own slabs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(99)
+        self.a = fc.Linear(WIDTH, WIDTH)
+        self.b = fc.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, skip_b=False, b_recipe=None, group=None):
+        out = self.a(x)
+        if skip_b:
+            return out
+        if b_recipe is None:
+            return out + self.b(2 * x)
+        with fc.autocast(recipe=b_recipe, amax_reduction_group=group):
+            return out + self.b(2 * x)
+
+
+def _skip_run(rank: int, world: int, separate_key: bool) -> list[dict[str, Any]]:
+    group = dist.group.WORLD
+    model = TwoBranches()
+    recipe = fc.DelayedScaling(amax_history_len=8)
+    b_recipe = fc.DelayedScaling(amax_history_len=8, margin=1) if separate_key else None
+    steps = []
+    for step in range(4):
+        x = local_rows(global_batch(10 + step, world)[0], rank)
+        skip = rank == 1 and step == 2  # the third step
+        with CountingAllReduce() as counter:
+            with fc.autocast(recipe=recipe, amax_reduction_group=group):
+                out = model(x, skip_b=skip, b_recipe=b_recipe, group=group)
+            out.square().mean().backward()
+        model.zero_grad(set_to_none=True)
+        steps.append(
+            {
+                "skipped": skip,
+                "b_input_amax": (2 * x).abs().max(),
+                "n_calls": len(counter.calls),
+                "a": delayed_state(model.a),
+                "b": delayed_state(model.b),
+            }
+        )
+    return steps
+
+
+# -- section: DDP ------------------------------------------------------------------------------
+
+
+def _ddp(model: nn.Module) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    return DistributedDataParallel(model)
+
+
+def section_ddp(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in RECIPES:
+        out[f"{name}.reduced"] = isolated(training_run, _ddp, name, dist.group.WORLD, rank, world)
+        # Control: every rank quantizes with its own amaxes.
+        out[f"{name}.local"] = isolated(training_run, _ddp, name, None, rank, world)
+    if rank == 0:
+        out["reference"] = reference_runs(world)
+    return out
+
+
+# -- section: FSDP2 ----------------------------------------------------------------------------
+
+
+def _fully_shard(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for m in fc_linears(model):
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _inplace_after_fc_linear(rank: int, world: int) -> dict[str, Any]:
+    """fc.Linear followed by ``nn.ReLU(inplace=True)`` on ``[batch, seq, features]``
+    inputs, under FSDP2: what ``nn.Linear`` allows."""
+    model = fc.convert(
+        nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(inplace=True), nn.Linear(WIDTH, WIDTH))
+    )
+    model = _fully_shard(model)
+    x = local_rows(global_batch(0, world)[0], rank).reshape(2, LOCAL_BATCH // 2, WIDTH)
+    error = ""
+    recipe = fc.Float8CurrentScaling()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with fc.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+                loss = model(x).square().mean()
+            loss.backward()
+        except RuntimeError as e:
+            error = str(e).splitlines()[0]
+    views = [str(w.message).splitlines()[0] for w in caught if "view tensor" in str(w.message)]
+    return {"error": error, "view_warnings": views}
+
+
+def section_fsdp2(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in RECIPES:
+        out[name] = isolated(training_run, _fully_shard, name, dist.group.WORLD, rank, world)
+    out["sharded_shape"] = isolated(_local_shard_shape)
+    out["inplace"] = isolated(_inplace_after_fc_linear, rank, world)
+    if rank == 0:
+        out["reference"] = reference_runs(world)
+    return out
+
+
+def _local_shard_shape() -> torch.Tensor:
+    model = _fully_shard(make_mlp())
+    return torch.tensor([list(m.weight.to_local().shape) for m in fc_linears(model)])
+
+
+SECTIONS = {
+    "registry": section_registry,
+    "ddp": section_ddp,
+    "fsdp2": section_fsdp2,
+}

@@ -1,0 +1,266 @@
+"""fastcast over torch.distributed: two CPU ranks, gloo backend.
+
+Three spawns of two processes each (see ``_dist_workers.py``), shared by the tests of
+this file through module-scoped fixtures:
+
+- ``registry``: DelayedScaling with ``amax_reduction_group`` and no wrapper: identical
+  scales on ranks that see different data, one ``all_reduce`` per key and direction per
+  step, and no deadlock when a rank skips a module;
+- ``ddp``: DistributedDataParallel against a single process on the concatenated batch,
+  for DelayedScaling and Float8CurrentScaling;
+- ``fsdp2``: ``fully_shard`` on a CPU device mesh, the same comparison.
+
+A worker stuck in a collective raises after the process group's timeout; a worker that
+still has not exited after ``HARD_TIMEOUT`` is killed and the test fails, so a deadlock
+never hangs the run.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import _dist_workers as workers
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()),
+        reason="torch.distributed with the gloo backend is not available",
+    ),
+]
+
+WORLD = 2
+HARD_TIMEOUT = 120.0  # seconds for a whole spawn; a healthy one takes a few
+
+
+def spawn(section: str, out_dir: Path) -> list[dict[str, Any]]:
+    """Run ``section`` on ``WORLD`` spawned ranks; their results, by rank."""
+    ctx = mp.get_context("spawn")
+    init_file = out_dir / "pg_init"
+    procs = [
+        ctx.Process(
+            target=workers.entry,
+            args=(section, rank, WORLD, str(init_file), str(out_dir)),
+            daemon=True,
+        )
+        for rank in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + HARD_TIMEOUT
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    errors = "".join(
+        f"\n--- rank {rank} ---\n{(out_dir / f'error_rank{rank}.txt').read_text()}"
+        for rank in range(WORLD)
+        if (out_dir / f"error_rank{rank}.txt").exists()
+    )
+    if hung:
+        pytest.fail(f"{section}: ranks {hung} still running after {HARD_TIMEOUT}s{errors}")
+    codes = [p.exitcode for p in procs]
+    if any(codes):
+        pytest.fail(f"{section}: worker exit codes {codes}{errors}")
+    return [
+        torch.load(out_dir / f"{section}_rank{rank}.pt", weights_only=True)
+        for rank in range(WORLD)
+    ]
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn("registry", tmp_path_factory.mktemp("registry"))
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn("ddp", tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn("fsdp2", tmp_path_factory.mktemp("fsdp2"))
+
+
+def assert_states_equal(a: list[dict], b: list[dict], **tol: float) -> None:
+    """Per-layer delayed-scaling states equal (exactly, unless tolerances are given)."""
+    assert len(a) == len(b) > 0
+    for layer, (sa, sb) in enumerate(zip(a, b)):
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            if tol:
+                torch.testing.assert_close(sa[key], sb[key], **tol, msg=f"layer {layer} {key}")
+            else:
+                assert torch.equal(sa[key], sb[key]), f"layer {layer} {key}: {sa[key]} {sb[key]}"
+
+
+def update_error(params: dict, ref_params: dict, init: dict) -> float:
+    """Largest relative error of the total weight update over the parameters."""
+    worst = 0.0
+    for name, ref in ref_params.items():
+        delta_ref = ref - init[name]
+        delta = params[name] - init[name]
+        worst = max(worst, ((delta - delta_ref).norm() / delta_ref.norm()).item())
+    return worst
+
+
+# -- 1. identical scales from different data ------------------------------------------------
+
+
+def test_delayed_scales_identical_across_ranks(registry):
+    r0, r1 = (r["delayed"] for r in registry)
+    for step, (s0, s1) in enumerate(zip(r0, r1)):
+        # The ranks really saw different data (rank 1's rows are 4x larger) ...
+        assert s1["local_input_amax"] > 2 * s0["local_input_amax"]
+        # ... and still hold the same histories and scales after every step.
+        assert_states_equal(s0["states"], s1["states"])
+        # The newest history row (the update rolls it to the end) of the first layer's
+        # input is the max over the ranks' amaxes, and the scale comes from the window.
+        fwd = s0["states"][0]["forward.amax_history"]
+        expected = torch.maximum(s0["local_input_amax"], s1["local_input_amax"])
+        assert fwd[-1, 0] == expected, step
+        scale = s0["states"][0]["forward.scale"][0]
+        torch.testing.assert_close(scale, 448.0 / fwd[:, 0].max())
+
+
+# -- 5. one all_reduce per key and direction per step -----------------------------------------
+
+
+def test_one_all_reduce_per_key_and_direction_per_step(registry):
+    n_layers = 4
+    for rank, result in enumerate(registry):
+        for step, s in enumerate(result["delayed"]):
+            calls = s["calls"]  # rows: (numel, is MAX)
+            # The forward slab (input and weight of all 4 layers: 8 amaxes) reduces once,
+            # on exiting the autocast; the backward slab (4 grad amaxes) once, after the
+            # last backward. Not 2 per module.
+            assert s["calls_after_forward"] == 1, (rank, step)
+            assert calls.tolist() == [[2 * n_layers, 1], [n_layers, 1]], (rank, step)
+        # For contrast, current scaling reduces each input and gradient amax on its own.
+        assert result["current_calls"].tolist() == [[1, 1]] * (2 * n_layers)
+
+
+def test_unrelated_autocast_touches_grouped_slabs(registry):
+    """One step under DelayedScaling over the group, then a forward and backward of
+    another model under ``Float8CurrentScaling()`` and under ``DelayedScaling()``, both
+    without any group. Neither may communicate nor change the grouped key's state: if
+    only one rank runs such a step (an evaluation or auxiliary model on rank 0), its
+    lone all_reduce pairs with whatever the other rank does next, or hangs."""
+    for result in registry:
+        r = result["unrelated"]
+        for name in ("current", "delayed"):
+            assert r[f"{name}.calls"].tolist() == [], name
+            assert_states_equal(r[f"{name}.after"], r["before"])
+
+
+# -- 4. a rank skips a module ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["skip_same_key", "skip_own_key"])
+def test_rank_skipping_a_module_does_not_deadlock(registry, variant):
+    """Rank 1 leaves branch ``b`` out in the third step, after every module ran twice.
+
+    ``skip_same_key``: ``a`` and ``b`` share one key, so one slab per direction; rank 1
+    still updates (and reduces) it, with ``b``'s columns at amax 0. ``skip_own_key``:
+    ``b`` runs under a nested autocast of another recipe, so on rank 1 a whole slab got
+    no amax this step; the registry updates every slab that has a reduction group every
+    step, recorded or not, so rank 1 joins that slab's all_reduce too and nobody waits.
+
+    In both cases the skipped module contributes amax 0 on rank 1 for that step, and the
+    max over the ranks is rank 0's amax: the ranks keep identical histories and scales.
+    """
+    r0, r1 = (r[variant] for r in registry)  # reaching here means both ranks finished
+    assert [s["skipped"] for s in r1] == [False, False, True, False]
+    for step, (s0, s1) in enumerate(zip(r0, r1)):
+        assert s0["n_calls"] == s1["n_calls"], step  # same collectives on both ranks
+        for name in ("a", "b"):
+            assert_states_equal([s0[name]], [s1[name]])
+        newest_b_input = s0["b"]["forward.amax_history"][-1, 0]
+        if step == 2:
+            # Rank 0's amax, although rank 1's input (4x larger) would have won: rank 1
+            # contributed 0 for the module it skipped.
+            assert s1["b_input_amax"] > s0["b_input_amax"]
+            assert newest_b_input == s0["b_input_amax"]
+            assert s0["b"]["backward.amax_history"][-1, 0] > 0
+        else:
+            assert newest_b_input == max(s0["b_input_amax"], s1["b_input_amax"])
+    expected_calls = 2 if variant == "skip_same_key" else 4
+    assert [s["n_calls"] for s in r0] == [expected_calls] * 4
+
+
+# -- 2. DDP equals one process on the whole batch ---------------------------------------------
+
+# Why these runs can agree closely: every rank quantizes with scales made from the max
+# over ranks of its amaxes, which is the amax a single process sees on the concatenated
+# batch (inputs: same rows; weights: the same on every rank; gradients: ``loss_fn``
+# divides by the global row count, so each row's gradient is the single process's). With
+# identical scales, each row is quantized to the same FP8 values in both runs. What is
+# left is FP32 accumulation order (the wgrad GEMM over 64 rows vs. two GEMMs over 32
+# rows summed by the all_reduce) and its knock-on effects: tiny differences that can
+# flip an occasional FP8 rounding in later steps. UPDATE_RTOL bounds the relative error
+# of the total weight update; the control runs without amax reduction (each rank
+# quantizes with its own amaxes) miss it by far, which shows the bound is tight enough
+# to see whether the reduction happened (measured: ~2e-7 with it, ~0.2 without).
+UPDATE_RTOL = 1e-3
+SCALE_RTOL = 1e-5
+
+
+def check_against_reference(results: list[dict], ref: dict, recipe: str) -> None:
+    """Distributed runs (one result per rank) against the single-process ``ref``."""
+    for rank, res in enumerate(results):
+        for name, p in res["params"].items():  # the replicas stay identical
+            assert torch.equal(p, results[0]["params"][name]), (rank, name)
+        err = update_error(res["params"], ref["params"], ref["init"])
+        assert err < UPDATE_RTOL, (rank, err)
+    # Each rank's loss covers its rows over the global count: they add up to the global.
+    losses = sum(res["losses"] for res in results)
+    torch.testing.assert_close(losses, ref["losses"], rtol=1e-4, atol=0)
+    assert losses[-1] < losses[0]
+    if recipe == "delayed":
+        assert_states_equal(results[0]["states"], results[1]["states"])
+        assert_states_equal(results[0]["states"], ref["states"], rtol=SCALE_RTOL, atol=0)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_ddp_matches_single_process(ddp, recipe):
+    ref = ddp[0]["reference"][recipe]
+    check_against_reference([r[f"{recipe}.reduced"] for r in ddp], ref, recipe)
+    # Control: without amax reduction the update differs by much more than the bound.
+    err_local = update_error(ddp[0][f"{recipe}.local"]["params"], ref["params"], ref["init"])
+    assert err_local > 10 * UPDATE_RTOL, err_local
+
+
+# -- 3. FSDP2 -------------------------------------------------------------------------------
+
+
+def test_fsdp2_shards_the_fc_linears(fsdp2):
+    # fully_shard on a CPU mesh of 2 (gloo): each weight is split along dim 0.
+    for result in fsdp2:
+        assert result["sharded_shape"].tolist() == [[32, 64], [32, 64], [16, 64]]
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_fsdp2_matches_single_process(fsdp2, recipe):
+    """``fully_shard`` on each fc.Linear and the root: it trains, and matches one process
+    on the whole batch as DDP does (FSDP2 averages gradients over ranks too), and the
+    ranks' delayed-scaling states are identical."""
+    check_against_reference([r[recipe] for r in fsdp2], fsdp2[0]["reference"][recipe], recipe)
+
+
+def test_fsdp2_inplace_op_after_fc_linear(fsdp2):
+    for result in fsdp2:
+        assert result["inplace"]["error"] == ""
+        assert result["inplace"]["view_warnings"] == []
