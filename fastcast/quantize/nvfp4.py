@@ -35,6 +35,7 @@ from typing import ClassVar
 
 import torch
 
+from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import E2M1_VALUES, NVFP4Tensor
 from .base import FP32_MAX, as_matrix, check_input, saturating_cast, scale_from_amax
@@ -152,6 +153,7 @@ class NVFP4Quantizer:
             if not isinstance(value, bool):
                 raise ValueError(f"NVFP4Quantizer: {name} must be a bool, got {value!r}")
 
+    @annotate("fastcast.quantize.nvfp4")
     def quantize(
         self,
         x: torch.Tensor,
