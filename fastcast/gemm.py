@@ -44,22 +44,21 @@ def scaled_mm(
     tensor) the product is added into it in place and it is returned, as for
     gradient accumulation.
     """
-    family = _check_operands(a, b)
+    family, device_type = _check_operands(a, b)
     if backend is None:
-        chosen, reason = hardware.gemm_backend(a.device.type, family)
+        chosen, reason = hardware.gemm_backend(device_type, family)
         if chosen is None:
             raise RuntimeError(f"scaled_mm: {reason}")
     elif backend in BACKENDS:
         chosen = backend
-        if backend == "hardware" and not hardware.has_kernel(a.device.type, family):
+        if backend == "hardware" and not hardware.has_kernel(device_type, family):
             raise RuntimeError(
-                f"scaled_mm: no torch._scaled_mm kernel for {family} scaling on "
-                f"{a.device.type}"
+                f"scaled_mm: no torch._scaled_mm kernel for {family} scaling on {device_type}"
             )
     else:
         raise ValueError(f"scaled_mm: backend must be one of {BACKENDS} or None, got {backend!r}")
 
-    if chosen == "hardware" and _fits_kernel(a, b):
+    if chosen == "hardware" and (device_type != "cuda" or _fits_cuda_kernel(a, b)):
         out = _scaled_mm_hardware(a, b, out_dtype, bias, accumulate)
     else:
         out = _scaled_mm_emulated(a, b, out_dtype, bias, accumulate)
@@ -71,7 +70,7 @@ def scaled_mm(
     return out
 
 
-def _check_operands(a: QuantizedTensor, b: QuantizedTensor) -> str:
+def _check_operands(a: QuantizedTensor, b: QuantizedTensor) -> tuple[str, str]:
     for name, x in (("a", a), ("b", b)):
         if not isinstance(x, QuantizedTensor):
             raise TypeError(
@@ -89,17 +88,16 @@ def _check_operands(a: QuantizedTensor, b: QuantizedTensor) -> str:
         raise ValueError(
             f"scaled_mm: contraction dims differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}"
         )
-    if a.device != b.device:
-        raise ValueError(f"scaled_mm: operands on different devices: {a.device} and {b.device}")
+    device = a.data.device
+    if device != b.data.device:
+        raise ValueError(f"scaled_mm: operands on different devices: {device} and {b.device}")
     fa, fb = operand_family(a), operand_family(b)
     # Mixed families have no common kernel; the emulation handles any pair.
-    return fa if fa == fb else "mixed"
+    return (fa if fa == fb else "mixed"), device.type
 
 
-def _fits_kernel(a: QuantizedTensor, b: QuantizedTensor) -> bool:
+def _fits_cuda_kernel(a: QuantizedTensor, b: QuantizedTensor) -> bool:
     """Shape and format limits of the CUDA FP8 kernels (the CPU kernel has none)."""
-    if a.device.type != "cuda":
-        return True
     k, n = a.shape[-1], b.shape[0]
     both_e5m2 = a.fmt == "e5m2" and b.fmt == "e5m2"
     return k % 16 == 0 and n % 16 == 0 and not both_e5m2

@@ -82,54 +82,63 @@ class Linear(nn.Module):
         except LookupError:
             ts = thread_state()
         frame = ts.frame
+        weight, bias = self.weight, self.bias
         if not frame.enabled:
             if frame.calibrating:
-                self._calibrate(x, frame, ts)
-            return F.linear(x, self.weight, self.bias)
+                self._calibrate(x, weight, frame, ts)
+            return F.linear(x, weight, bias)
 
         plan = self._plan
         if plan is None or not plan.matches(frame, ts):
-            plan = self._plan = build_plan(frame, ts, self._metas, self.weight.device)
+            plan = self._plan = build_plan(frame, ts, self._metas, weight.device)
         _check_features(x, self.in_features)
         step = _StepInfo(plan, ts, is_first_microbatch)
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
-                                        or (self.bias is not None and self.bias.requires_grad)):
-            return _LinearFunction.apply(x, self.weight, self.bias, self, step)
-        return self._forward_gemm(x, step, need_dgrad=False, need_wgrad=False)[0]
+        if torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        ):
+            return _LinearFunction.apply(x, weight, bias, self, step)
+        return self._forward_gemm(x, weight, bias, step, need_dgrad=False, need_wgrad=False)[0]
 
     def _forward_gemm(
-        self, x: torch.Tensor, step: _StepInfo, need_dgrad: bool, need_wgrad: bool
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        step: _StepInfo,
+        need_dgrad: bool,
+        need_wgrad: bool,
     ) -> tuple[torch.Tensor, QuantizedTensor, QuantizedTensor]:
         """Quantize input and weight and run the forward GEMM."""
-        input_q, weight_q = step.input_q, step.weight_q
-        x_q = input_q.quantize(x, rowwise=True, columnwise=need_wgrad)
-        w_q = self._quantized_weight(weight_q, step, columnwise=need_dgrad)
-        out = scaled_mm(x_q, w_q, out_dtype=_output_dtype(x), bias=self.bias)
+        x_q = step.input_q.quantize(x, rowwise=True, columnwise=need_wgrad)
+        w_q = self._quantized_weight(weight, step, columnwise=need_dgrad)
+        out = scaled_mm(x_q, w_q, out_dtype=_output_dtype(x), bias=bias)
         step.mark_forward()
         return out, x_q, w_q
 
-    def _quantized_weight(self, quantizer: Any, step: _StepInfo, columnwise: bool):
+    def _quantized_weight(
+        self, weight: torch.Tensor, step: _StepInfo, columnwise: bool
+    ) -> QuantizedTensor:
         cache = self._weight_cache
         first = step.is_first_microbatch
         if first is False and cache is not None:
             w_q, version, plan = cache
             # Reuse only what was quantized from this very weight under this plan.
-            if version == self.weight._version and plan is step.plan and (
+            if version == weight._version and plan is step.plan and (
                 w_q.has_columnwise or not columnwise
             ):
                 return w_q
-        w_q = quantizer.quantize(self.weight, rowwise=True, columnwise=columnwise)
-        self._weight_cache = (w_q, self.weight._version, step.plan) if first is not None else None
+        w_q = step.weight_q.quantize(weight, rowwise=True, columnwise=columnwise)
+        self._weight_cache = (w_q, weight._version, step.plan) if first is not None else None
         return w_q
 
-    def _calibrate(self, x: torch.Tensor, frame: Any, ts: Any) -> None:
+    def _calibrate(self, x: torch.Tensor, weight: torch.Tensor, frame: Any, ts: Any) -> None:
         """High-precision run that records input and weight amaxes for delayed scaling."""
         plan = self._plan
         if plan is None or not plan.matches(frame, ts):
-            plan = self._plan = build_plan(frame, ts, self._metas, self.weight.device)
+            plan = self._plan = build_plan(frame, ts, self._metas, weight.device)
         if plan.delayed:
             record_amax(plan.fwd_meta.amax_slots[0], x.detach())
-            record_amax(plan.fwd_meta.amax_slots[1], self.weight.detach())
+            record_amax(plan.fwd_meta.amax_slots[1], weight.detach())
             plan.registry.mark(plan.fwd_slab, FORWARD)
 
     # -- state: _extra_state, device moves, pickling ------------------------------------------
@@ -220,7 +229,7 @@ class _LinearFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Any, module: Linear,
                 step: _StepInfo) -> torch.Tensor:
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        out, x_q, w_q = module._forward_gemm(x, step, need_dgrad, need_wgrad)
+        out, x_q, w_q = module._forward_gemm(x, weight, bias, step, need_dgrad, need_wgrad)
         # Backward contracts over the other dim of each operand: keep only the
         # column-wise layouts, in FP8, flattened to tensors so saved-tensor hooks see them.
         saved = [x_q.columnwise_operand() if need_wgrad else None,
