@@ -18,18 +18,19 @@ _TARGETS = pytest.StashKey[list]()
 def _check_target(module: str, target: object) -> dict:
     ok = (
         isinstance(target, tuple)
-        and len(target) == 5
-        and all(isinstance(x, str) for x in (*target[:3], target[4]))
+        and len(target) in (5, 6)
+        and all(isinstance(x, str) for x in (*target[:3], *target[4:]))
         and isinstance(target[3], numbers.Real)
         and target[3] > 0
     )
     if not ok:
         raise pytest.UsageError(
             f"{module}.TARGETS entries must be (group, subject_test, reference_test, "
-            f"max_ratio > 0, label) tuples, got {target!r}"
+            f"max_ratio > 0, label[, extra_info metric]) tuples, got {target!r}"
         )
-    group, subject, reference, max_ratio, label = target
+    group, subject, reference, max_ratio, label = target[:5]
     return {
+        "metric": target[5] if len(target) == 6 else "median",
         "module": module,
         "group": group,
         "subject": subject,

@@ -1,0 +1,136 @@
+"""The delayed-scaling update with N ``fc.Linear`` modules: its cost should not grow with N.
+
+Each test builds N ``fc.Linear(16, 16)`` modules and runs one forward of each under
+``fc.autocast(recipe=fc.DelayedScaling())`` (without grad, so that no backward is left
+pending), which gives their forward amax histories columns in one slab of the thread's
+delayed-scaling registry. The timed function is only the forward update, as the
+outermost autocast's exit runs it: mark the forward slab pending, then
+``registry.end(FORWARD)`` (reduce nothing without a process group, compute the new
+scales from the amax window, roll the history).
+
+Each test runs on a registry of its own (the thread's registry is swapped out and put
+back afterwards): equal recipes share one slab, so with a shared registry the modules
+of an earlier test would stay columns of a later test's slab. Like ``bench_linear``, the
+module runs on one intra-op thread, restored afterwards.
+
+Before timing, the Python-level function calls of one update are counted with
+``sys.setprofile`` and stored in the extra info: ``python_calls`` (Python functions)
+and ``c_calls`` (builtins and methods implemented in C, tensor operations included).
+Both should be the same for every N.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+import fastcast as fc
+from fastcast.delayed import FORWARD
+from fastcast.state import ThreadState, thread_state
+
+INNER = 10
+FEATURES = 16
+SIZES = [1, 10, 100, 400]
+
+GROUP = "delayed-update"
+
+# The design target is O(1) Python calls in N (the update is one batched set of tensor
+# operations per slab); the time ratio is shown too, and on CPU it grows with the
+# history's size (N x amax_history_len elements), as any batched update must.
+TARGETS = [
+    (
+        GROUP,
+        "test_update[400]",
+        "test_update[1]",
+        1.0,
+        "delayed update, 400 modules / 1 module",
+        "python_calls",
+    ),
+    (
+        GROUP,
+        "test_update[400]",
+        "test_update[1]",
+        20.0,
+        "delayed update time, 400 modules / 1 module (history 1024 x 800 vs 1024 x 2)",
+    ),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Run this module's benchmarks on one intra-op thread, then restore the count.
+
+    The shapes are too small for torch's thread pool to help, and on a machine whose
+    cores are shared its workers can stall a tiny operation for milliseconds.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def own_registry() -> Iterator[ThreadState]:
+    """This thread's state with an empty registry; the previous one is restored after."""
+    ts = thread_state()
+    saved = ts.registry
+    ts.registry = None
+    try:
+        yield ts
+    finally:
+        ts.registry = saved
+
+
+def count_calls(fn: Callable[[], object]) -> tuple[int, int]:
+    """``(Python function calls, C function calls)`` made by one call of ``fn``."""
+    counts = {"call": 0, "c_call": 0}
+
+    def profiler(frame, event, arg):
+        if event in counts:
+            counts[event] += 1
+
+    sys.setprofile(profiler)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    # The profiler sees the call of fn itself and, on the way out, of sys.setprofile.
+    return counts["call"] - 1, counts["c_call"] - 1
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_update(benchmark, own_registry, n):
+    modules = [fc.Linear(FEATURES, FEATURES) for _ in range(n)]
+    x = torch.randn(FEATURES, FEATURES)
+    with torch.no_grad(), fc.autocast(recipe=fc.DelayedScaling()):
+        for module in modules:
+            module(x)
+
+    registry = own_registry.registry
+    forward_slabs = [s for (_, d, _), s in registry.slabs.items() if d == FORWARD]
+    assert [s.scale.numel() for s in forward_slabs] == [2 * n]  # input and weight columns
+    slab = forward_slabs[0]
+    mark, end = registry.mark, registry.end
+
+    def update():
+        mark(slab, FORWARD)
+        end(FORWARD)
+
+    def loop():
+        for _ in range(INNER):
+            mark(slab, FORWARD)
+            end(FORWARD)
+
+    update()
+    python_calls, c_calls = count_calls(update)
+    benchmark.group = GROUP
+    benchmark.extra_info["inner"] = INNER
+    benchmark.extra_info["modules"] = n
+    benchmark.extra_info["python_calls"] = python_calls
+    benchmark.extra_info["c_calls"] = c_calls
+    benchmark(loop)

@@ -1,0 +1,373 @@
+"""Training-step benchmark: step time, CPU overhead and final loss per recipe.
+
+``python -m bench.train_step [--width 128 --depth 4 --batch 256 --steps 60 ...]`` trains
+the same small transformer-style MLP stack once per recipe on the same synthetic
+regression task, from the same initial weights, and prints per run
+
+- the median step time (forward + backward + optimizer step, warm-up steps left out);
+- the CPU overhead per step: the Python-side wall time from the start of the step until
+  the last kernel of the optimizer step is enqueued. On CUDA the step time waits for the
+  GPU (``torch.cuda.synchronize``) and the GPU time between two events is shown too; on
+  CPU the CPU is the device, so the three are one and the same number;
+- the final loss (mean of the last 5 steps) and its ratio to the high-precision run's
+  (fp32, or bf16 when fp32 is not run), with PASS when it is within 5%;
+- on CUDA, the step time relative to the bf16 run.
+
+On CPU it runs on one intra-op thread unless ``--threads`` says otherwise: on a machine
+whose few cores are shared with other jobs, torch's thread pool can stall every
+operation for milliseconds, which makes step times meaningless (and a run take minutes).
+
+Model: ``depth`` pre-norm residual blocks ``x + fc2(gelu(fc1(layernorm(x))))`` with
+``fc1: width -> 4*width`` and ``fc2: 4*width -> width``, then a final LayerNorm and a
+``Linear(width, 32)`` head. FP8/FP4 runs ``fc.convert`` every Linear and run the forward
+inside ``fc.autocast(recipe=...)``; the loss, backward and optimizer step stay outside,
+as users write them. The bf16 run keeps ``nn.Linear`` and runs the forward under
+``torch.autocast(dtype=torch.bfloat16)``.
+
+Data: a fixed random teacher (``tanh`` MLP) maps Gaussian inputs to targets scaled to
+unit variance; every run sees the same pre-generated batches (one fresh batch per
+step) and AdamW with the same settings. ``run()`` is the API tests call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fastcast as fc
+
+RECIPES = ("fp32", "bf16", "delayed", "current", "block", "mxfp8", "nvfp4")
+HIGH_PRECISION = ("fp32", "bf16")  # in order of preference as the loss reference
+QUANTIZED: dict[str, Callable[[], fc.Recipe]] = {
+    "delayed": fc.DelayedScaling,
+    "current": fc.Float8CurrentScaling,
+    "block": fc.Float8BlockScaling,
+    "mxfp8": fc.MXFP8BlockScaling,
+    "nvfp4": fc.NVFP4BlockScaling,
+}
+
+OUT_FEATURES = 32  # a multiple of every recipe's block, so that the head converts too
+TOLERANCE = 0.05  # the final loss must be within 5% of the high-precision run's
+FINAL_WINDOW = 5  # steps averaged for the final loss
+WARMUP_STEPS = 3  # steps left out of the timing medians (plans, caches, allocator)
+
+DEFAULTS = {"width": 128, "depth": 4, "batch": 256, "steps": 60, "lr": 1e-3, "seed": 0}
+
+
+# --------------------------------------------------------------------------- model and data
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP block: ``x + fc2(gelu(fc1(norm(x))))``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class MLPStack(nn.Module):
+    """``depth`` blocks, a final LayerNorm and a linear head."""
+
+    def __init__(self, width: int, depth: int, out_features: int = OUT_FEATURES) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block(width) for _ in range(depth)))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(x)))
+
+
+def make_data(
+    width: int, batch: int, steps: int, seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``steps`` batches of Gaussian inputs ``[batch, width]`` and teacher targets.
+
+    Drawn from a generator of its own (seeded with ``seed``), on the CPU, so that the
+    data is the same whatever the device and whatever ran before.
+    """
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    hidden = 2 * width
+    w1 = torch.randn(width, hidden, generator=gen) / math.sqrt(width)
+    w2 = torch.randn(hidden, OUT_FEATURES, generator=gen) / math.sqrt(hidden)
+    inputs = torch.randn(steps, batch, width, generator=gen)
+    targets = torch.tanh(inputs @ w1) @ w2
+    targets /= targets.std()
+    return inputs.to(device), targets.to(device)
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _forward_context(name: str, device: torch.device) -> Callable[[], Any]:
+    """A factory of the context the forward runs in (a fresh one per step)."""
+    if name in QUANTIZED:
+        recipe = QUANTIZED[name]()  # built once, as users do
+        return lambda: fc.autocast(recipe=recipe)
+    if name == "bf16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    if name == "fp32":
+        return contextlib.nullcontext
+    raise ValueError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
+
+
+def run(
+    recipe_name: str,
+    width: int = DEFAULTS["width"],
+    depth: int = DEFAULTS["depth"],
+    batch: int = DEFAULTS["batch"],
+    steps: int = DEFAULTS["steps"],
+    lr: float = DEFAULTS["lr"],
+    seed: int = DEFAULTS["seed"],
+    device: str | torch.device | None = None,
+) -> dict[str, Any]:
+    """Train one model with ``recipe_name`` (one of ``RECIPES``) and measure it.
+
+    Returns a dict with ``recipe``, ``device``, ``steps``, ``converted`` (number of
+    ``fc.Linear`` layers), ``losses`` (per step), ``final_loss`` (mean of the last
+    ``FINAL_WINDOW`` steps), and medians over the steps after ``WARMUP_STEPS``:
+    ``step_ms`` (whole step, waiting for the device), ``cpu_ms`` (until the last kernel
+    is enqueued) and ``gpu_ms`` (CUDA events; None on CPU).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    device = torch.device(device if device is not None else default_device())
+    cuda = device.type == "cuda"
+    forward_context = _forward_context(recipe_name, device)
+
+    torch.manual_seed(seed)  # the same initial weights for every recipe
+    model = MLPStack(width, depth).to(device)
+    if recipe_name in QUANTIZED:
+        fc.convert(model, recipe=QUANTIZED[recipe_name]())
+    converted = sum(isinstance(m, fc.Linear) for m in model.modules())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    inputs, targets = make_data(width, batch, steps, seed, device)
+
+    losses: list[torch.Tensor] = []
+    step_s: list[float] = []
+    cpu_s: list[float] = []
+    gpu_ms: list[float] = []
+    if cuda:
+        torch.cuda.synchronize(device)
+    for step in range(steps):
+        x, y = inputs[step], targets[step]
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        with forward_context():
+            out = model(x)
+        loss = F.mse_loss(out.float(), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t_enqueued = time.perf_counter()
+        if cuda:
+            end.record()
+            torch.cuda.synchronize(device)
+        t_done = time.perf_counter()
+        losses.append(loss.detach())
+        if step >= min(WARMUP_STEPS, steps - 1):
+            cpu_s.append(t_enqueued - t0)
+            step_s.append(t_done - t0)
+            if cuda:
+                gpu_ms.append(start.elapsed_time(end))
+
+    loss_values = torch.stack(losses).float().cpu().tolist()
+    window = loss_values[-FINAL_WINDOW:]
+    return {
+        "recipe": recipe_name,
+        "device": str(device),
+        "steps": steps,
+        "converted": converted,
+        "losses": loss_values,
+        "final_loss": sum(window) / len(window),
+        "step_ms": 1e3 * statistics.median(step_s),
+        "cpu_ms": 1e3 * statistics.median(cpu_s),
+        "gpu_ms": statistics.median(gpu_ms) if gpu_ms else None,
+    }
+
+
+def loss_ratio(result: dict[str, Any], reference: dict[str, Any]) -> float:
+    """``final_loss / reference final_loss`` (NaN when either is not finite)."""
+    a, b = result["final_loss"], reference["final_loss"]
+    if not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
+        return math.nan
+    return a / b
+
+
+def within_tolerance(ratio: float) -> bool:
+    """Whether a final-loss ratio is within ``TOLERANCE`` of 1, either way."""
+    return math.isfinite(ratio) and abs(ratio - 1.0) <= TOLERANCE
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.train_step",
+        description="Step time, CPU overhead and final loss of one small model per recipe.",
+    )
+    p.add_argument("--width", type=int, default=DEFAULTS["width"])
+    p.add_argument("--depth", type=int, default=DEFAULTS["depth"])
+    p.add_argument("--batch", type=int, default=DEFAULTS["batch"])
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"])
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    p.add_argument(
+        "--recipes",
+        default=",".join(RECIPES),
+        help=f"comma-separated subset of {','.join(RECIPES)} (default: all)",
+    )
+    p.add_argument("--device", default=default_device(), help="default: cuda if available")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads; 0: torch's choice (default: 1 on CPU, torch's on CUDA)",
+    )
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.recipes.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown or not names:
+        p.error(f"--recipes: unknown {unknown or 'empty list'}; choose from {','.join(RECIPES)}")
+    # Canonical order: the high-precision references run first.
+    args.recipes = [n for n in RECIPES if n in names]
+    return args
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None or not math.isfinite(value) else format(value, spec)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else 0)
+    saved_threads = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        return _run_all(args, device)
+    finally:  # main() may be called in-process (tests): leave the thread count as it was
+        torch.set_num_threads(saved_threads)
+
+
+def _run_all(args: argparse.Namespace, device: torch.device) -> int:
+    cuda = device.type == "cuda"
+    print(
+        f"train_step: width {args.width}, depth {args.depth}, batch {args.batch}, "
+        f"steps {args.steps}, lr {args.lr}, seed {args.seed}, device {device} "
+        f"({_plural(torch.get_num_threads(), 'CPU thread')}), torch {torch.__version__}"
+    )
+    if cuda:
+        print(
+            f"  {torch.cuda.get_device_name(device)}: step = wall time to the end of the "
+            "GPU work; CPU = Python-side time until the last kernel is enqueued; "
+            "GPU = CUDA events"
+        )
+    else:
+        print(
+            "  the CPU is the device: it runs the GEMMs (FP8/FP4 emulated or through "
+            "torch._scaled_mm's CPU kernel), so step time is compute plus overhead, and "
+            "CPU overhead is not separable from it"
+        )
+
+    results: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
+    started = time.perf_counter()
+    for name in args.recipes:
+        try:
+            r = run(
+                name, args.width, args.depth, args.batch, args.steps, args.lr, args.seed, device
+            )
+        except RuntimeError as exc:  # a recipe this machine cannot run
+            skipped[name] = str(exc).splitlines()[0]
+            print(f"{name:>8}: SKIPPED ({skipped[name]})")
+            continue
+        results[name] = r
+        reference = next((results[h] for h in HIGH_PRECISION if h in results), None)
+        ratio = loss_ratio(r, reference) if reference is not None else math.nan
+        r["loss_ratio"] = ratio
+        line = f"{name:>8}: step {_fmt(r['step_ms'])} ms"
+        if cuda:
+            line += f", CPU {_fmt(r['cpu_ms'])} ms, GPU {_fmt(r['gpu_ms'])} ms"
+            if "bf16" in results:
+                line += f", {r['step_ms'] / results['bf16']['step_ms']:.2f}x bf16"
+        line += f", final loss {_fmt(r['final_loss'], '.4f')}"
+        if reference is not None and reference is not r:
+            verdict = "PASS" if within_tolerance(ratio) else "MISS"
+            line += f" = {_fmt(ratio, '.3f')}x {reference['recipe']} ({verdict} within 5%)"
+        if name in QUANTIZED:
+            line += f" [{r['converted']} fc.Linear]"
+        print(line, flush=True)
+
+    _print_table(results, skipped, cuda)
+    print(f"total {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _print_table(results: dict[str, dict[str, Any]], skipped: dict[str, str], cuda: bool) -> None:
+    reference = next((h for h in HIGH_PRECISION if h in results), None)
+    headers = ["recipe", "step ms"]
+    if cuda:
+        headers += ["CPU ms", "GPU ms", "vs bf16"]
+    headers += ["final loss", f"vs {reference or 'ref'}", "within 5%"]
+    rows = []
+    for name, r in results.items():
+        row = [name, _fmt(r["step_ms"])]
+        if cuda:
+            bf16 = results.get("bf16")
+            rel = r["step_ms"] / bf16["step_ms"] if bf16 else None
+            row += [_fmt(r["cpu_ms"]), _fmt(r["gpu_ms"]), _fmt(rel) + ("x" if rel else "")]
+        ratio = r.get("loss_ratio", math.nan)
+        if name == reference:
+            verdict = "(reference)"
+        elif reference is None:
+            verdict = "-"
+        else:
+            verdict = "PASS" if within_tolerance(ratio) else "MISS"
+        row += [_fmt(r["final_loss"], ".4f"), _fmt(ratio, ".3f"), verdict]
+        rows.append(row)
+    for name, reason in skipped.items():
+        rows.append([name, "skipped", *[""] * (len(headers) - 3), reason[:40]])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:  # first column left-aligned, numbers right
+        return "  ".join(
+            c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        )
+
+    print()
+    print(line(headers))
+    print(line(["-" * w for w in widths]))
+    for row in rows:
+        print(line(row))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
