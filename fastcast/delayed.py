@@ -11,6 +11,7 @@ that happens when a module first runs under a key, not per step.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -21,12 +22,17 @@ from .recipe import ELEMENT_MAX, DelayedScaling
 
 FORWARD, BACKWARD = 0, 1
 
+# State made under torch.inference_mode would be an inference tensor that training could
+# never update in place again: these buffers are always made as normal tensors.
+_normal_tensors = torch.inference_mode(False)
+
 
 class ScalingMeta:
     """Amax history and scales of one module for one direction (``n`` roles)."""
 
-    __slots__ = ("n", "history", "scale", "scale_views", "amax_slots", "slab")
+    __slots__ = ("n", "history", "scale", "scale_views", "amax_slots", "slab", "__weakref__")
 
+    @_normal_tensors
     def __init__(self, n: int, history_len: int, device: torch.device | str = "cpu") -> None:
         self.n = n
         self.slab: Slab | None = None
@@ -43,12 +49,14 @@ class ScalingMeta:
         self.scale_views = [scale[i : i + 1] for i in range(self.n)]
         self.amax_slots = [history[0, i : i + 1] for i in range(self.n)]
 
+    @_normal_tensors
     def detach(self) -> None:
         """Leave the slab, keeping a private copy of the current values."""
         if self.slab is not None:
             self.slab.remove(self)
         self._own(self.history.clone(), self.scale.clone())
 
+    @_normal_tensors
     def move_to(self, device: torch.device) -> None:
         """Leave the slab and carry the values to ``device``."""
         self.detach()
@@ -59,6 +67,7 @@ class ScalingMeta:
         return {"amax_history": self.history.clone(), "scale": self.scale.clone()}
 
     @classmethod
+    @_normal_tensors
     def from_state(cls, state: dict[str, torch.Tensor]) -> ScalingMeta:
         history, scale = state["amax_history"], state["scale"]
         if history.dim() != 2 or scale.dim() != 1 or history.shape[1] != scale.shape[0]:
@@ -70,6 +79,7 @@ class ScalingMeta:
         meta._own(history.float().clone(), scale.float().clone())
         return meta
 
+    @_normal_tensors
     def resize_history(self, history_len: int) -> None:
         """Keep the newest ``min(old, new)`` rows' worth of history at a new length."""
         old = self.history
@@ -83,30 +93,44 @@ class ScalingMeta:
 
 
 class Slab:
-    """The contiguous amax history and scales of every module of one key and direction."""
+    """The contiguous amax history and scales of every module of one key and direction.
 
-    __slots__ = ("recipe", "group", "fmt", "history", "scale", "members")
+    Members are held weakly: a module that is garbage collected leaves dead columns,
+    which the next update compacts away — except in slabs reduced over a process group,
+    whose column layout must stay identical on every rank whatever each rank's garbage
+    collector did (there, a dead module's columns stay, holding amax 0).
+    """
 
+    __slots__ = ("recipe", "group", "fmt", "history", "scale", "members", "lost_members")
+
+    @_normal_tensors
     def __init__(self, recipe: DelayedScaling, group: Any, fmt: str, device: torch.device):
         self.recipe = recipe
         self.group = group
         self.fmt = fmt
-        self.members: list[ScalingMeta] = []
+        self.members: list[weakref.ref[ScalingMeta]] = []
+        self.lost_members = False
         self.history = torch.zeros(recipe.amax_history_len, 0, device=device)
         self.scale = torch.ones(0, device=device)
+
+    def live_members(self) -> list[ScalingMeta]:
+        return [m for m in (ref() for ref in self.members) if m is not None]
 
     def add(self, meta: ScalingMeta) -> None:
         """Take ``meta`` in: its current values become new columns of the slab."""
         meta.detach()
         meta.resize_history(self.recipe.amax_history_len)
-        self._rebuild(self.members + [meta], extra=meta)
+        self._rebuild([*self.live_members(), meta])
 
     def remove(self, meta: ScalingMeta) -> None:
-        self.members.remove(meta)
         meta.slab = None
-        self._rebuild(list(self.members))
+        self._rebuild([m for m in self.live_members() if m is not meta])
 
-    def _rebuild(self, members: list[ScalingMeta], extra: ScalingMeta | None = None) -> None:
+    def _member_lost(self, ref: weakref.ref) -> None:
+        self.lost_members = True
+
+    @_normal_tensors
+    def _rebuild(self, members: list[ScalingMeta]) -> None:
         histories = [m.history for m in members]
         scales = [m.scale for m in members]
         device = self.history.device
@@ -121,10 +145,13 @@ class Slab:
             m._own(self.history[:, offset : offset + m.n], self.scale[offset : offset + m.n])
             m.slab = self
             offset += m.n
-        self.members = members
+        self.members = [weakref.ref(m, self._member_lost) for m in members]
+        self.lost_members = False
 
     def update(self) -> None:
         """Reduce this step's amaxes, compute new scales from the window, roll history."""
+        if self.lost_members and self.group is None:
+            self._rebuild(self.live_members())
         if self.scale.numel() == 0:
             return
         recipe = self.recipe

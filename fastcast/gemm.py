@@ -58,10 +58,14 @@ def scaled_mm(
     else:
         raise ValueError(f"scaled_mm: backend must be one of {BACKENDS} or None, got {backend!r}")
 
-    if chosen == "hardware" and (device_type != "cuda" or _fits_cuda_kernel(a, b)):
-        out = _scaled_mm_hardware(a, b, out_dtype, bias, accumulate)
+    hardware_path = chosen == "hardware" and (device_type != "cuda" or _fits_cuda_kernel(a, b))
+    gemm = _scaled_mm_hardware if hardware_path else _scaled_mm_emulated
+    if torch.is_autocast_enabled(device_type):
+        # torch.autocast would run the FP32 accumulation and scales in its low dtype.
+        with torch.autocast(device_type, enabled=False):
+            out = gemm(a, b, out_dtype, bias, accumulate)
     else:
-        out = _scaled_mm_emulated(a, b, out_dtype, bias, accumulate)
+        out = gemm(a, b, out_dtype, bias, accumulate)
     if len(a.shape) != 2 and accumulate is None:
         # Reshape the fresh contiguous product in place rather than return a view: an
         # autograd Function's view output would forbid in-place ops after the layer

@@ -206,3 +206,31 @@ def autocast_key(recipe: Recipe | None, group: Any = None) -> tuple:
     the group enters by a serial number that is never reused. No repr is involved.
     """
     return (recipe, 0 if group is None else _group_ids.serial(group))
+
+
+class _OptimizerSteps:
+    """Process-wide count of optimizer steps, for weight caches to key on.
+
+    A fused optimizer updates weights without moving their version counters; a cache
+    keyed on this count as well dies with any step. The global step hook is installed
+    the first time a cache asks for it, not at import.
+    """
+
+    __slots__ = ("count", "_handle")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._handle: Any = None
+
+    def __call__(self, install: bool = False) -> int:
+        if install and self._handle is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: PLC0415
+
+            self._handle = register_optimizer_step_post_hook(self._bump)
+        return self.count
+
+    def _bump(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.count += 1
+
+
+optimizer_steps = _OptimizerSteps()

@@ -47,27 +47,29 @@ def convert(
 
     if eligible(module, ""):
         return _swap(module)
-    for name, parent in list(module.named_modules()):
-        for child_name, child in list(parent.named_children()):
+    # One replacement per layer object: a layer registered under two parents (weight
+    # tying, shared blocks) stays one module with one set of scales.
+    swapped: dict[int, Linear] = {}
+    for name, parent in list(module.named_modules(remove_duplicate=False)):
+        # _modules, not named_children(), which would hide the second entry of a layer.
+        for child_name, child in list(parent._modules.items()):
+            if child is None:
+                continue
             full = f"{name}.{child_name}" if name else child_name
-            if eligible(child, full):
-                setattr(parent, child_name, _swap(child))
+            if id(child) in swapped:
+                setattr(parent, child_name, swapped[id(child)])
+            elif eligible(child, full):
+                swapped[id(child)] = _swap(child)
+                setattr(parent, child_name, swapped[id(child)])
     return module
 
 
 def _swap(linear: nn.Linear) -> Linear:
+    """An fc.Linear with everything the layer had: the same Parameter objects, buffers,
+    hooks, training flag and any attribute a user set on it."""
     new = Linear.__new__(Linear)
-    nn.Module.__init__(new)
-    new.in_features = linear.in_features
-    new.out_features = linear.out_features
-    new.register_parameter("weight", linear.weight)
-    new.register_parameter("bias", linear.bias)  # a Parameter or None
+    # The very containers, not copies: hook handles the user holds keep working (they
+    # remove from the dict they were registered in). The old layer is being replaced.
+    new.__dict__.update(linear.__dict__)
     new._init_runtime()
-    new.train(linear.training)
-    # Hooks registered on the old layer keep working on the new one.
-    for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                  "_backward_pre_hooks", "_forward_hooks_with_kwargs",
-                  "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
-        if hasattr(linear, hooks):
-            setattr(new, hooks, getattr(linear, hooks))
     return new

@@ -15,7 +15,7 @@ from ..gemm import scaled_mm
 from ..profiling import annotate
 from ..quantize.base import check_input
 from ..quantize.tensorwise import FixedScaleQuantizer, record_amax
-from ..state import claim_step_start, get_thread_state, thread_state
+from ..state import claim_step_start, get_thread_state, optimizer_steps, thread_state
 from ..tensor import QuantizedTensor
 from .plan import Plan, build_plan
 
@@ -88,14 +88,17 @@ class Linear(nn.Module):
                 self._calibrate(x, weight, frame, ts)
             return F.linear(x, weight, bias)
 
+        _check_features(x, self.in_features)
+        if x.numel() == 0:  # nothing to quantize (an MoE expert without tokens, say)
+            return F.linear(x, weight, bias)
         plan = self._plan
         if plan is None or not plan.matches(frame, ts):
             plan = self._plan = build_plan(frame, ts, self._metas, weight.device)
-        _check_features(x, self.in_features)
-        step = _StepInfo(plan, ts, is_first_microbatch)
-        if torch.is_grad_enabled() and (
+        autograd = torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-        ):
+        )
+        step = _StepInfo(plan, ts, is_first_microbatch, autograd)
+        if autograd:
             return _LinearFunction.apply(x, weight, bias, self, step)
         return self._forward_gemm(x, weight, bias, step, need_dgrad=False, need_wgrad=False)[0]
 
@@ -118,18 +121,25 @@ class Linear(nn.Module):
     def _quantized_weight(
         self, weight: torch.Tensor, step: _StepInfo, columnwise: bool
     ) -> QuantizedTensor:
+        if step.replayed_weight is not None:
+            return step.replayed_weight
         cache = self._weight_cache
         first = step.is_first_microbatch
         if first is False and cache is not None:
             w_q, version, plan = cache
-            # Reuse only what was quantized from this very weight under this plan.
-            if version == weight._version and plan is step.plan and (
+            # Reuse only what was quantized from this very weight under this plan, with
+            # no optimizer step since (fused optimizers leave the version counter alone).
+            if version == (weight._version, optimizer_steps()) and plan is step.plan and (
                 w_q.has_columnwise or not columnwise
             ):
-                return w_q
+                return step.remember_weight(w_q)
         w_q = step.weight_q.quantize(weight, rowwise=True, columnwise=columnwise)
-        self._weight_cache = (w_q, weight._version, step.plan) if first is not None else None
-        return w_q
+        if first is None:
+            self._weight_cache = None
+        else:
+            version = (weight._version, optimizer_steps(install=True))
+            self._weight_cache = (w_q, version, step.plan)
+        return step.remember_weight(w_q)
 
     def _calibrate(self, x: torch.Tensor, weight: torch.Tensor, frame: Any, ts: Any) -> None:
         """High-precision run that records input and weight amaxes for delayed scaling."""
@@ -181,34 +191,41 @@ class _StepInfo:
     another thread, after the autocast has exited and the scales have moved on)."""
 
     __slots__ = ("plan", "input_q", "weight_q", "grad_q", "is_first_microbatch", "ends_step",
-                 "registry", "replay")
+                 "registry", "replay_entry", "replayed_weight")
 
-    def __init__(self, plan: Plan, ts: Any, is_first_microbatch: bool | None) -> None:
+    def __init__(
+        self, plan: Plan, ts: Any, is_first_microbatch: bool | None, autograd: bool
+    ) -> None:
         self.plan = plan
         self.is_first_microbatch = is_first_microbatch
         self.input_q, self.weight_q, self.grad_q = plan.input_q, plan.weight_q, plan.grad_q
         self.registry = plan.registry
-        self.replay = ts.replay
         self.ends_step = False
-        replay = self.replay
+        self.replay_entry = self.replayed_weight = None
         if plan.registry is None:
             return
+        replay = ts.replay
         if replay is not None and not replay.recording:
-            self._use_replayed_scales(replay)
+            self._replay(replay.pop())
             return
-        if replay is not None:  # a checkpointed forward: keep the scales for the replay
-            replay.push(plan.fwd_meta.scale.clone())
-        self.ends_step = claim_step_start(ts)
+        if replay is not None:  # a checkpointed forward: keep what the replay will need
+            self.replay_entry = [plan.fwd_meta.scale.clone(), None]
+            replay.push(self.replay_entry)
+        # Only a module whose backward will run can end the step's backward.
+        self.ends_step = autograd and claim_step_start(ts)
 
-    def _use_replayed_scales(self, replay: Any) -> None:
-        """Under activation recomputation, quantize with the original forward's scales
-        and record nothing (gradients are quantized in backward, as usual)."""
-        scale = replay.pop()
-        fmt = self.plan.recipe.fp8_format
-        self.input_q = FixedScaleQuantizer(scale[0:1], fmt.fwd)
-        self.weight_q = FixedScaleQuantizer(scale[1:2], fmt.fwd)
+    def _replay(self, entry: list) -> None:
+        """Under activation recomputation: the original forward's input scale and the very
+        weight it used (possibly cached from an earlier micro-batch); record nothing."""
+        scale, self.replayed_weight = entry
+        self.input_q = FixedScaleQuantizer(scale[0:1], self.plan.recipe.fp8_format.fwd)
         self.is_first_microbatch = None
         self.registry = None
+
+    def remember_weight(self, w_q: QuantizedTensor) -> QuantizedTensor:
+        if self.replay_entry is not None:
+            self.replay_entry[1] = w_q
+        return w_q
 
     def mark_forward(self) -> None:
         if self.registry is not None:
@@ -248,8 +265,9 @@ class _LinearFunction(torch.autograd.Function):
         step = ctx.step
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         g2d = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
-        g_q = step.grad_q.quantize(g2d, rowwise=need_dgrad, columnwise=need_wgrad)
         dgrad = wgrad = bgrad = None
+        if need_dgrad or need_wgrad:
+            g_q = step.grad_q.quantize(g2d, rowwise=need_dgrad, columnwise=need_wgrad)
         if need_dgrad:  # [M, N] @ [N, K]
             dgrad = scaled_mm(g_q, w_t, out_dtype=x_dtype)
             if len(x_shape) != 2:
@@ -292,7 +310,10 @@ def _unflatten_saved(tensors: tuple[torch.Tensor, ...], layouts: list) -> list[A
 def _check_features(x: torch.Tensor, in_features: int) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != in_features:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"fc.Linear expects input [..., {in_features}], got {shape}")
+        raise ValueError(
+            f"fc.Linear(in_features={in_features}) expects input [..., {in_features}], "
+            f"got {shape}"
+        )
     check_input(x)
 
 
