@@ -55,19 +55,7 @@ TARGETS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Run this module's benchmarks on one intra-op thread, then restore the count.
-
-    The shapes are too small for torch's thread pool to help, and on a machine whose
-    cores are shared its workers can stall a tiny operation for milliseconds.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _input(size: int) -> torch.Tensor:

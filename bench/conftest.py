@@ -11,6 +11,7 @@ import numbers
 import sys
 
 import pytest
+import torch
 
 _TARGETS = pytest.StashKey[list]()
 
@@ -63,3 +64,18 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
         "targets": config.stash.get(_TARGETS, []),
         "versions": versions,
     }
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for a module of tiny-tensor tests or benchmarks, restored after.
+
+    The shapes are too small for torch's thread pool to help, and on a machine whose
+    cores are shared its spinning workers can stall a tiny operation for milliseconds.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

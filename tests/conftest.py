@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 
 from fastcast import hardware, state
 
@@ -55,3 +56,18 @@ def _no_leaked_autocast() -> Iterator[None]:
     if after is not before:
         state.thread_state().frame = before  # keep the following tests meaningful
         pytest.fail(f"the test left an autocast active: {after!r}")
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for a module of tiny-tensor tests or benchmarks, restored after.
+
+    The shapes are too small for torch's thread pool to help, and on a machine whose
+    cores are shared its spinning workers can stall a tiny operation for milliseconds.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

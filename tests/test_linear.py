@@ -19,17 +19,7 @@ from torch import nn
 
 import fastcast as fc
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """The GEMMs here are tiny: one intra-op thread is faster, and keeps these tests fast
-    on a loaded machine (idle OpenMP threads spin). Restored after the module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 HYBRID, E4M3 = fc.Format.HYBRID, fc.Format.E4M3

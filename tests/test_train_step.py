@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `bench` is a top-level package of the repository
@@ -25,16 +24,7 @@ FP8_RECIPES = ["delayed", "current", "block", "mxfp8"]
 CONVERTED = 2 * SIZE["depth"] + 1  # fc1 and fc2 per block, and the head
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread, as ``python -m bench.train_step`` uses on CPU (restored after):
-    shapes this small gain nothing from the pool, and on shared cores it stalls."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
