@@ -44,7 +44,10 @@ def expand_scales(
     br, bk = block
     if br == 0 and bk == 0:
         return scales.reshape(1, 1)
-    s = scales.reshape(1 if br == 0 else -1, 1 if bk == 0 else scales.shape[-1])
+    # The explicit block-grid shape: reshape(-1, ...) is ambiguous for empty grids.
+    grid_rows = 1 if br == 0 else -(-rows // br)
+    grid_cols = 1 if bk == 0 else -(-cols // bk)
+    s = scales.reshape(grid_rows, grid_cols)
     if br > 1:
         s = s.repeat_interleave(br, dim=0)[:rows]
     if bk > 1:
@@ -110,7 +113,7 @@ class QuantizedTensor:
         shape = data.shape
         if len(shape) == 2:
             return shape[0], shape[1]
-        return data.numel() // shape[-1], shape[-1]
+        return math.prod(shape[:-1]), shape[-1]
 
     # -- public --------------------------------------------------------------------------
     @property
@@ -318,8 +321,7 @@ class NVFP4Tensor(QuantizedTensor):
         self.global_scale_inv = global_scale_inv
 
     def _rows_cols(self, data: torch.Tensor) -> tuple[int, int]:
-        cols = data.shape[-1] * 2  # two codes per byte
-        return data.numel() * 2 // cols, cols
+        return math.prod(data.shape[:-1]), data.shape[-1] * 2  # two codes per byte
 
     def _decode_data(self, data: torch.Tensor) -> torch.Tensor:
         return unpack_e2m1(data)

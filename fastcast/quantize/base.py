@@ -95,5 +95,7 @@ def scale_from_amax(
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as an FP32 scalar tensor (NaN if any element is NaN)."""
+    """max |x| as an FP32 scalar tensor (NaN if any element is NaN; 0 when empty)."""
+    if x.numel() == 0:  # the inf-norm of nothing is an error in torch
+        return torch.zeros((), dtype=torch.float32, device=x.device)
     return torch.linalg.vector_norm(x, ord=float("inf"), dtype=torch.float32)

@@ -35,7 +35,7 @@ def quantize_with_scale(
         shape=x.shape,
         dtype=x.dtype,
         data=data if rowwise else None,
-        scale_inv=scale_inv,
+        scale_inv=scale_inv if rowwise else None,
         block=WHOLE,
         data_t=data_t,
         scale_inv_t=scale_inv if columnwise else None,
