@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+COMPARE := $(VENV)/.compare
 
 .PHONY: bench test lint clean
 
@@ -13,10 +14,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e '.[dev]'
 	touch $(STAMP)
 
+# The peers the benchmarks compare against (torchao); optional: without them those
+# entries are skipped, so a failed install does not stop the benchmarks.
+$(COMPARE): $(STAMP)
+	$(PY) -m pip install -e '.[compare]' || echo "torchao not installed: its comparisons are skipped"
+	touch $(COMPARE)
+
 test: $(STAMP)
 	$(PY) -m pytest tests
 
-bench: $(STAMP)
+bench: $(COMPARE)
 	$(PY) -m bench.run
 
 lint: $(STAMP)
