@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .hardware import default_recipe, recipe_type_problem
+from .recipe import Recipe
 from .state import AutocastFrame, ThreadState, get_thread_state, thread_state
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -27,7 +28,7 @@ class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
     def __init__(
         self,
         enabled: bool = True,
-        recipe: Any = None,
+        recipe: Recipe | None = None,
         calibrating: bool = False,
         amax_reduction_group: Any = None,
     ) -> None:

@@ -70,8 +70,9 @@ class _Replay:
     def __enter__(self) -> None:
         ts = thread_state()
         original = self.log.frame
-        frame = AutocastFrame(original.enabled, original.recipe, original.calibrating,
-                              original.group)
+        frame = AutocastFrame(
+            original.enabled, original.recipe, original.calibrating, original.group
+        )
         frame._prev = ts.frame
         self._saved = (ts.frame, ts.replay)
         ts.frame, ts.replay = frame, self.log

@@ -10,13 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import decode_extra_state, encode_extra_state
-from ..delayed import BACKWARD, FORWARD, ScalingMeta
+from ..delayed import FORWARD, ScalingMeta
 from ..gemm import scaled_mm
 from ..profiling import annotate
 from ..quantize.base import check_input
-from ..quantize.tensorwise import FixedScaleQuantizer, record_amax
-from ..state import claim_step_start, get_thread_state, optimizer_steps, thread_state
+from ..quantize.tensorwise import record_amax
+from ..state import get_thread_state, optimizer_steps, thread_state
 from ..tensor import QuantizedTensor
+from .function import LinearFunction, StepInfo
 from .plan import Plan, build_plan
 
 
@@ -31,7 +32,8 @@ class Linear(nn.Module):
 
     ``forward(x, is_first_microbatch=None)``: ``True`` quantizes the weight and keeps
     it, ``False`` reuses the kept one for the following micro-batches of the step; the
-    kept weight is dropped as soon as the weight changes (its version counter moves).
+    kept weight is dropped as soon as the weight changes (its version counter moves, or
+    any optimizer steps: fused optimizers leave the version counter alone).
     """
 
     def __init__(
@@ -57,7 +59,7 @@ class Linear(nn.Module):
     def _init_runtime(self) -> None:
         # Runtime-only state: rebuilt after pickling, never part of the state dict.
         self._plan: Plan | None = None
-        self._weight_cache: tuple[QuantizedTensor, int, Plan] | None = None
+        self._weight_cache: tuple[QuantizedTensor, tuple[int, int], Plan] | None = None
         self._metas: dict[int, ScalingMeta] = {}
 
     def reset_parameters(self) -> None:
@@ -97,9 +99,9 @@ class Linear(nn.Module):
         autograd = torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
-        step = _StepInfo(plan, ts, is_first_microbatch, autograd)
+        step = StepInfo(plan, ts, is_first_microbatch, autograd)
         if autograd:
-            return _LinearFunction.apply(x, weight, bias, self, step)
+            return LinearFunction.apply(x, weight, bias, self, step)
         return self._forward_gemm(x, weight, bias, step, need_dgrad=False, need_wgrad=False)[0]
 
     def _forward_gemm(
@@ -107,7 +109,7 @@ class Linear(nn.Module):
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        step: _StepInfo,
+        step: StepInfo,
         need_dgrad: bool,
         need_wgrad: bool,
     ) -> tuple[torch.Tensor, QuantizedTensor, QuantizedTensor]:
@@ -119,7 +121,7 @@ class Linear(nn.Module):
         return out, x_q, w_q
 
     def _quantized_weight(
-        self, weight: torch.Tensor, step: _StepInfo, columnwise: bool
+        self, weight: torch.Tensor, step: StepInfo, columnwise: bool
     ) -> QuantizedTensor:
         if step.replayed_weight is not None:
             return step.replayed_weight
@@ -129,8 +131,10 @@ class Linear(nn.Module):
             w_q, version, plan = cache
             # Reuse only what was quantized from this very weight under this plan, with
             # no optimizer step since (fused optimizers leave the version counter alone).
-            if version == (weight._version, optimizer_steps()) and plan is step.plan and (
-                w_q.has_columnwise or not columnwise
+            if (
+                version == (weight._version, optimizer_steps())
+                and plan is step.plan
+                and (w_q.has_columnwise or not columnwise)
             ):
                 return step.remember_weight(w_q)
         w_q = step.weight_q.quantize(weight, rowwise=True, columnwise=columnwise)
@@ -186,133 +190,11 @@ class Linear(nn.Module):
         self._metas = {d: ScalingMeta.from_state(s) for d, s in metas.items()}
 
 
-class _StepInfo:
-    """Per-call choices that backward needs, captured at forward time (backward may run on
-    another thread, after the autocast has exited and the scales have moved on)."""
-
-    __slots__ = ("plan", "input_q", "weight_q", "grad_q", "is_first_microbatch", "ends_step",
-                 "registry", "replay_entry", "replayed_weight")
-
-    def __init__(
-        self, plan: Plan, ts: Any, is_first_microbatch: bool | None, autograd: bool
-    ) -> None:
-        self.plan = plan
-        self.is_first_microbatch = is_first_microbatch
-        self.input_q, self.weight_q, self.grad_q = plan.input_q, plan.weight_q, plan.grad_q
-        self.registry = plan.registry
-        self.ends_step = False
-        self.replay_entry = self.replayed_weight = None
-        if plan.registry is None:
-            return
-        replay = ts.replay
-        if replay is not None and not replay.recording:
-            self._replay(replay.pop())
-            return
-        if replay is not None:  # a checkpointed forward: keep what the replay will need
-            self.replay_entry = [plan.fwd_meta.scale.clone(), None]
-            replay.push(self.replay_entry)
-        # Only a module whose backward will run can end the step's backward.
-        self.ends_step = autograd and claim_step_start(ts)
-
-    def _replay(self, entry: list) -> None:
-        """Under activation recomputation: the original forward's input scale and the very
-        weight it used (possibly cached from an earlier micro-batch); record nothing."""
-        scale, self.replayed_weight = entry
-        self.input_q = FixedScaleQuantizer(scale[0:1], self.plan.recipe.fp8_format.fwd)
-        self.is_first_microbatch = None
-        self.registry = None
-
-    def remember_weight(self, w_q: QuantizedTensor) -> QuantizedTensor:
-        if self.replay_entry is not None:
-            self.replay_entry[1] = w_q
-        return w_q
-
-    def mark_forward(self) -> None:
-        if self.registry is not None:
-            self.registry.mark(self.plan.fwd_slab, FORWARD)
-
-    def mark_backward(self) -> None:
-        registry = self.plan.registry
-        if registry is not None:
-            registry.mark(self.plan.bwd_slab, BACKWARD)
-            if self.ends_step:
-                registry.end(BACKWARD, self.plan.group)
-
-
-class _LinearFunction(torch.autograd.Function):
-    """FP8 forward and both backward GEMMs, saving only quantized operands."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Any, module: Linear,
-                step: _StepInfo) -> torch.Tensor:
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        out, x_q, w_q = module._forward_gemm(x, weight, bias, step, need_dgrad, need_wgrad)
-        # Backward contracts over the other dim of each operand: keep only the
-        # column-wise layouts, in FP8, flattened to tensors so saved-tensor hooks see them.
-        saved = [x_q.columnwise_operand() if need_wgrad else None,
-                 w_q.columnwise_operand() if need_dgrad else None]
-        tensors, ctx.layouts = _flatten_saved(saved)
-        ctx.save_for_backward(*tensors)
-        ctx.step = step
-        ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return out
-
-    @staticmethod
-    @annotate("fastcast.Linear.backward")
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
-        x_t, w_t = _unflatten_saved(ctx.saved_tensors, ctx.layouts)
-        step = ctx.step
-        need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
-        g2d = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
-        dgrad = wgrad = bgrad = None
-        if need_dgrad or need_wgrad:
-            g_q = step.grad_q.quantize(g2d, rowwise=need_dgrad, columnwise=need_wgrad)
-        if need_dgrad:  # [M, N] @ [N, K]
-            dgrad = scaled_mm(g_q, w_t, out_dtype=x_dtype)
-            if len(x_shape) != 2:
-                dgrad = dgrad.reshape(x_shape)
-        if need_wgrad:  # [N, M] @ [M, K]
-            wgrad = scaled_mm(g_q.columnwise_operand(), x_t, out_dtype=w_dtype)
-        if need_bgrad:
-            bgrad = g2d.sum(dim=0, dtype=torch.float32)
-            if b_dtype != torch.float32:
-                bgrad = bgrad.to(b_dtype)
-        step.mark_backward()
-        return dgrad, wgrad, bgrad, None, None
-
-
-def _flatten_saved(items: list[QuantizedTensor | None]) -> tuple[list[torch.Tensor], list]:
-    tensors: list[torch.Tensor] = []
-    layouts: list = []
-    for item in items:
-        if item is None:
-            layouts.append(None)
-            continue
-        names, meta = item.__tensor_flatten__()
-        layouts.append((type(item), names, meta, len(tensors)))
-        tensors.extend(getattr(item, n) for n in names)
-    return tensors, layouts
-
-
-def _unflatten_saved(tensors: tuple[torch.Tensor, ...], layouts: list) -> list[Any]:
-    out = []
-    for layout in layouts:
-        if layout is None:
-            out.append(None)
-            continue
-        cls, names, meta, start = layout
-        inner = dict(zip(names, tensors[start : start + len(names)]))
-        out.append(cls.__tensor_unflatten__(inner, meta))
-    return out
-
-
 def _check_features(x: torch.Tensor, in_features: int) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != in_features:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(
-            f"fc.Linear(in_features={in_features}) expects input [..., {in_features}], "
-            f"got {shape}"
+            f"fc.Linear(in_features={in_features}) expects input [..., {in_features}], got {shape}"
         )
     check_input(x)
 
