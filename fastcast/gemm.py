@@ -121,7 +121,13 @@ def _scaled_mm_hardware(
         scale_a, scale_b = scale_a.reshape(-1, 1), scale_b.reshape(1, -1)
     # The kernel adds a bias of the output dtype in its FP32 epilogue; any other bias,
     # or an accumulation, needs the FP32 product first.
-    fuse_bias = bias is not None and bias.dtype == out_dtype and accumulate is None
+    # (cuBLASLt fuses 16-bit biases only; the CPU kernel any.)
+    fuse_bias = (
+        bias is not None
+        and bias.dtype == out_dtype
+        and accumulate is None
+        and (out_dtype != torch.float32 or a2.device.type == "cpu")
+    )
     direct = accumulate is None and (bias is None or fuse_bias)
     out = torch._scaled_mm(
         a2,
