@@ -1,6 +1,7 @@
 """fastcast: FP8 and FP4 mixed precision for PyTorch training with almost no CPU overhead."""
 
 from .autocast import autocast
+from .checkpoint import allow_unsafe_extra_state
 from .gemm import scaled_mm
 from .hardware import (
     fp8_available,
@@ -37,6 +38,7 @@ __all__ = [
     "NVFP4BlockScaling",
     "QuantizedTensor",
     "Recipe",
+    "allow_unsafe_extra_state",
     "autocast",
     "checkpoint_context",
     "convert",

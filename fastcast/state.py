@@ -80,6 +80,7 @@ class ThreadState:
         "last_good_recipe",
         "other_good_recipe",
         "replay",
+        "unsafe_extra_state",
         "__weakref__",
     )
 
@@ -94,6 +95,9 @@ class ThreadState:
         self.other_good_recipe: Recipe | None = None
         # Set inside an activation-checkpointed region (see recompute.py).
         self.replay: Any = None
+        # Depth of ``fc.allow_unsafe_extra_state`` blocks: above 0, a foreign pickled
+        # extra state may be unpickled in this thread (see checkpoint.py).
+        self.unsafe_extra_state = 0
 
 
 # One ThreadState per thread, held in a context variable: every thread starts with an
