@@ -116,6 +116,8 @@ def _scaled_mm_hardware(
 ) -> torch.Tensor:
     a2 = a.data if len(a.shape) == 2 else a.data.reshape(-1, a.shape[-1])
     b2 = b.data
+    if a2.device.type == "cuda":  # cuBLASLt wants a row-major a and a column-major b.T
+        a2, b2 = a2.contiguous(), b2.contiguous()
     scale_a, scale_b = a.scale_inv, b.scale_inv
     if b.block == (1, 0):  # per-row scales of b are per-column scales of b.T
         scale_a, scale_b = scale_a.reshape(-1, 1), scale_b.reshape(1, -1)
