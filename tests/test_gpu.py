@@ -1,0 +1,120 @@
+"""The CUDA paths: run on a machine with a GPU (``pytest -m gpu``); skipped elsewhere.
+
+On CPU these paths cannot run, so this file is what a session with a lent GPU runs to
+exercise them: torch._scaled_mm on the tensor cores against the emulation and a float64
+reference, fc.Linear training on the device, and delayed scaling with device buffers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastcast as fc
+from fastcast import hardware
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _fp8_gpu() -> bool:
+    cap = hardware.cuda_capability()
+    return cap is not None and cap >= hardware.CUDA_FP8_CAPABILITY
+
+
+needs_fp8 = pytest.mark.skipif(
+    not torch.cuda.is_available() or not _fp8_gpu(), reason="needs FP8 tensor cores (8.9+)"
+)
+
+
+def _reference(a_q, b_q, bias=None) -> torch.Tensor:
+    out = (
+        a_q.dequantize(torch.float64).reshape(-1, a_q.shape[-1]) @ b_q.dequantize(torch.float64).t()
+    )
+    return out if bias is None else out + bias.double()
+
+
+@needs_fp8
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt_a", ["e4m3", "e5m2"])
+def test_tensor_core_gemm_matches_emulation_and_reference(out_dtype, fmt_a):
+    from fastcast.quantize.tensorwise import CurrentScalingQuantizer
+
+    torch.manual_seed(0)
+    a = CurrentScalingQuantizer(fmt_a).quantize(torch.randn(128, 256, device="cuda"))
+    b = CurrentScalingQuantizer("e4m3").quantize(torch.randn(64, 256, device="cuda"))
+    bias = torch.randn(64, device="cuda", dtype=out_dtype)
+    hw = fc.scaled_mm(a, b, out_dtype=out_dtype, bias=bias, backend="hardware")
+    em = fc.scaled_mm(a, b, out_dtype=out_dtype, bias=bias, backend="emulate")
+    ref = _reference(a, b, bias)
+    tol = 2.0**-7 if out_dtype == torch.bfloat16 else 1e-5
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(hw.double(), ref, rtol=tol, atol=tol * scale)
+    torch.testing.assert_close(em.double(), ref, rtol=tol, atol=tol * scale)
+
+
+@needs_fp8
+def test_backward_layouts_on_tensor_cores():
+    torch.manual_seed(1)
+    recipe = fc.Float8CurrentScaling()
+    g = fc.quantize(torch.randn(96, 64, device="cuda"), recipe, "grad_output", columnwise=True)
+    w = fc.quantize(torch.randn(64, 128, device="cuda"), recipe, "weight", columnwise=True)
+    x = fc.quantize(torch.randn(96, 128, device="cuda"), recipe, "input", columnwise=True)
+    dgrad = fc.scaled_mm(g, w.t(), backend="hardware")
+    wgrad = fc.scaled_mm(g.columnwise_operand(), x.columnwise_operand(), backend="hardware")
+    ref_d = g.dequantize(torch.float64) @ w.dequantize(torch.float64)
+    ref_w = g.dequantize(torch.float64).t() @ x.dequantize(torch.float64)
+    torch.testing.assert_close(dgrad.double(), ref_d, rtol=1e-5, atol=1e-5 * ref_d.abs().max())
+    torch.testing.assert_close(wgrad.double(), ref_w, rtol=1e-5, atol=1e-5 * ref_w.abs().max())
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        fc.DelayedScaling(),
+        fc.Float8CurrentScaling(),
+        fc.Float8BlockScaling(),
+        fc.MXFP8BlockScaling(),
+        fc.NVFP4BlockScaling(),
+    ],
+    ids=lambda r: type(r).__name__,
+)
+def test_linear_trains_on_the_device(recipe):
+    ok, reason = hardware.recipe_support(recipe, "cuda")
+    if not ok:
+        pytest.skip(reason)
+    torch.manual_seed(2)
+    model = fc.convert(
+        torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    ).cuda()
+    ref = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    ref.load_state_dict(model.state_dict(), strict=False)
+    ref.cuda()
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        with fc.autocast(recipe=recipe):
+            y = model(x)
+        y_ref = ref(x)
+    assert y.dtype == torch.bfloat16 and y.device.type == "cuda"
+    y.float().pow(2).mean().backward()
+    rel = (y.float() - y_ref.float()).norm() / y_ref.float().norm()
+    assert rel < 0.3
+    for p in model.parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all()
+    if isinstance(recipe, fc.DelayedScaling):
+        meta = model[0]._metas[0]
+        assert meta.scale.device.type == "cuda"
+        assert not torch.equal(meta.scale, torch.ones_like(meta.scale))  # updated on exit
+
+
+def test_gpu_without_fp8_refuses_unless_emulated(gemm_mode):
+    if _fp8_gpu():
+        pytest.skip("this GPU has FP8 tensor cores")
+    with pytest.raises(RuntimeError, match="FASTCAST_GEMM=emulate"):
+        with fc.autocast(recipe=fc.Float8CurrentScaling()):
+            pass
+    gemm_mode("emulate")
+    with fc.autocast(recipe=fc.Float8CurrentScaling()):
+        pass
