@@ -23,7 +23,7 @@ from .recipe import (
 )
 from .recompute import checkpoint_context
 from .state import get_autocast_recipe, is_autocast_enabled
-from .tensor import QuantizedTensor
+from .tensor import QuantizedTensor, TensorProto
 
 __version__ = "0.1.0"
 
@@ -38,6 +38,7 @@ __all__ = [
     "NVFP4BlockScaling",
     "QuantizedTensor",
     "Recipe",
+    "TensorProto",
     "allow_unsafe_extra_state",
     "autocast",
     "checkpoint_context",
