@@ -104,7 +104,7 @@ class LinearFunction(torch.autograd.Function):
             x_q.columnwise_operand() if need_wgrad else None,
             w_q.columnwise_operand() if need_dgrad else None,
         ]
-        tensors, ctx.layouts = _flatten_saved(saved)
+        tensors, ctx.shells = _strip_tensors(saved)
         ctx.save_for_backward(*tensors)
         ctx.step = step
         ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -114,7 +114,7 @@ class LinearFunction(torch.autograd.Function):
     @annotate("fastcast.Linear.backward")
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
-        x_t, w_t = _unflatten_saved(ctx.saved_tensors, ctx.layouts)
+        x_t, w_t = _restore_tensors(ctx.saved_tensors, ctx.shells)
         step = ctx.step
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         g2d = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
@@ -135,26 +135,35 @@ class LinearFunction(torch.autograd.Function):
         return dgrad, wgrad, bgrad, None, None
 
 
-def _flatten_saved(items: list[QuantizedTensor | None]) -> tuple[list[torch.Tensor], list]:
+def _strip_tensors(
+    items: list[QuantizedTensor | None],
+) -> tuple[list[torch.Tensor], list[tuple[QuantizedTensor, list[str]] | None]]:
+    """Take the inner tensors out of freshly made operands (for ``save_for_backward``,
+    so that saved-tensor hooks see them); the tensor-free shells stay on ``ctx``."""
     tensors: list[torch.Tensor] = []
-    layouts: list = []
+    shells: list[tuple[QuantizedTensor, list[str]] | None] = []
     for item in items:
         if item is None:
-            layouts.append(None)
+            shells.append(None)
             continue
-        names, meta = item.__tensor_flatten__()
-        layouts.append((type(item), names, meta, len(tensors)))
-        tensors.extend(getattr(item, n) for n in names)
-    return tensors, layouts
+        names = [n for n in item.inner_names if getattr(item, n) is not None]
+        for name in names:
+            tensors.append(getattr(item, name))
+            setattr(item, name, None)
+        shells.append((item, names))
+    return tensors, shells
 
 
-def _unflatten_saved(tensors: tuple[torch.Tensor, ...], layouts: list) -> list[Any]:
-    out = []
-    for layout in layouts:
-        if layout is None:
+def _restore_tensors(tensors: tuple[torch.Tensor, ...], shells: list) -> list[Any]:
+    """Put the (possibly unpacked by hooks) saved tensors back into their shells."""
+    out: list[Any] = []
+    it = iter(tensors)
+    for shell in shells:
+        if shell is None:
             out.append(None)
             continue
-        cls, names, meta, start = layout
-        inner = dict(zip(names, tensors[start : start + len(names)]))
-        out.append(cls.__tensor_unflatten__(inner, meta))
+        item, names = shell
+        for name in names:
+            setattr(item, name, next(it))
+        out.append(item)
     return out

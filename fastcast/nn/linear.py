@@ -84,7 +84,8 @@ class Linear(nn.Module):
         except LookupError:
             ts = thread_state()
         frame = ts.frame
-        weight, bias = self.weight, self.bias
+        params = self._parameters  # direct: nn.Module.__getattr__ is a slow fallback
+        weight, bias = params["weight"], params["bias"]
         if not frame.enabled:
             if frame.calibrating:
                 self._calibrate(x, weight, frame, ts)
