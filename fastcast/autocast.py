@@ -16,9 +16,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
     """Run the ``fc.Linear`` modules inside the block with ``recipe``.
 
+    - ``enabled=False`` runs them in high precision (``recipe`` is still reported).
+    - ``recipe=None`` uses the best recipe this machine runs, built once per process.
+    - ``calibrating=True`` with ``enabled=False``: high precision, but delayed-scaling
+      modules record amaxes, so that FP8 training starts from calibrated scales.
+    - ``amax_reduction_group``: a process group over which delayed-scaling amaxes (and
+      current-scaling activation/gradient amaxes) are max-reduced.
+
     Nests to any depth (the innermost wins) and restores the previous state exactly on
     exit, exceptions included. An instance may be entered again once it has exited, but
-    not while it is active. Usable as a decorator.
+    not while it is active. Usable as a decorator. Per thread: other threads never see
+    it. Entering raises RuntimeError if ``recipe`` cannot run on this machine.
     """
 
     # All fields are AutocastFrame's slots: entering makes this object the thread's

@@ -136,7 +136,16 @@ _frozen = dataclasses.dataclass(frozen=True, slots=True, repr=False, eq=False)
 
 @_frozen
 class DelayedScaling(Recipe):
-    """Per-tensor scale from a history of amaxes of previous steps."""
+    """Per-tensor scale from a history of amaxes of previous steps.
+
+    Each module records the amax of its input and weight (forward) and of its output
+    gradient (backward) per step; the scale used at step k is
+    ``fmt_max / amax / 2**margin`` with ``amax`` the ``amax_compute_algo`` of the last
+    ``amax_history_len`` steps up to k-1 (``"max"``, ``"most_recent"``, or a callable
+    taking the ``[L, n]`` history). ``scaling_factor_compute_algo(amax, scale, fmt_max,
+    recipe)`` replaces the scale formula. ``reduce_amax`` all-reduces amaxes over the
+    autocast's ``amax_reduction_group``.
+    """
 
     margin: int = 0
     fp8_format: Format = Format.HYBRID
@@ -173,7 +182,11 @@ class DelayedScaling(Recipe):
 
 @_frozen
 class Float8CurrentScaling(Recipe):
-    """Per-tensor scale computed from the tensor being quantized."""
+    """Per-tensor scale computed from the tensor being quantized: ``fmt_max / amax``.
+
+    ``use_power_2_scales`` rounds the scale down to a power of two (exact rescaling);
+    ``amax_epsilon`` floors the amax, so near-zero tensors do not get huge scales.
+    """
 
     fp8_format: Format = Format.HYBRID
     use_power_2_scales: bool = False
