@@ -152,13 +152,6 @@ def unsupported_reason(recipe_type: type) -> str | None:
     return None if backend is not None else reason
 
 
-def check_recipe_support(recipe: Recipe) -> None:
-    """Raise RuntimeError, with the reason, if this machine cannot run ``recipe``."""
-    reason = unsupported_reason(type(recipe))
-    if reason is not None:
-        raise RuntimeError(f"{type(recipe).__name__} cannot run here: {reason}")
-
-
 class _RecipeTypeProblems(dict):
     """``type -> None | reason``: why recipes of a type cannot run here, filled on demand.
 

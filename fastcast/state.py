@@ -49,11 +49,11 @@ class AutocastFrame:
         Looks down the whole chain: in enabled -> disabled -> enabled, only the first
         level opens the step. Called on exit only, by threads with delayed scaling.
         """
-        if not (self.enabled or self.calibrating):
+        if not self.active:
             return False
         frame = self._prev
         while frame is not None:
-            if frame.enabled or frame.calibrating:
+            if frame.active:
                 return False
             frame = frame._prev
         return True
