@@ -88,8 +88,8 @@ class ScalingMeta:
         new = torch.zeros(history_len, self.n, device=old.device)
         keep = min(history_len, old.shape[0])
         new[:keep] = old[:keep]
-        self.detach()
-        self._own(new, self.scale.clone())
+        self.detach()  # leaves this meta with a private copy of its scale
+        self._own(new, self.scale)
 
 
 class Slab:

@@ -131,25 +131,19 @@ def _describe(device_type: str) -> str:
     return device_type.upper()
 
 
-def recipe_support(recipe: Recipe, device_type: str | None = None) -> tuple[bool, str]:
-    """Whether ``recipe`` can run on this machine, and why (or why not)."""
-    family = RECIPE_FAMILY.get(type(recipe))
+def _type_support(recipe_type: type, device_type: str) -> tuple[bool, str]:
+    family = RECIPE_FAMILY.get(recipe_type)
     if family is None:
-        if isinstance(recipe, CustomRecipe):
+        if recipe_type is CustomRecipe:
             return True, "custom recipe: its quantizers decide"
-        return False, f"unknown recipe type {type(recipe).__name__}"
-    backend, reason = gemm_backend(device_type or default_device_type(), family)
+        return False, f"unknown recipe type {recipe_type.__name__}"
+    backend, reason = gemm_backend(device_type, family)
     return backend is not None, reason
 
 
-@functools.cache
-def unsupported_reason(recipe_type: type) -> str | None:
-    """Why recipes of this type cannot run here, or None when they can (cached per type)."""
-    family = RECIPE_FAMILY.get(recipe_type)
-    if family is None:
-        return None if recipe_type is CustomRecipe else f"unknown recipe {recipe_type.__name__}"
-    backend, reason = gemm_backend(default_device_type(), family)
-    return None if backend is not None else reason
+def recipe_support(recipe: Recipe, device_type: str | None = None) -> tuple[bool, str]:
+    """Whether ``recipe`` can run on this machine, and why (or why not)."""
+    return _type_support(type(recipe), device_type or default_device_type())
 
 
 class _RecipeTypeProblems(dict):
@@ -162,7 +156,8 @@ class _RecipeTypeProblems(dict):
     def check(self, recipe: object, enabled: bool) -> None:
         if not isinstance(recipe, Recipe):
             raise TypeError(f"recipe must be a fastcast recipe, got {type(recipe).__name__}")
-        reason = self[type(recipe)] = unsupported_reason(type(recipe))
+        ok, why = _type_support(type(recipe), default_device_type())
+        reason = self[type(recipe)] = None if ok else why
         if reason is not None and enabled:
             raise RuntimeError(f"{type(recipe).__name__} cannot run here: {reason}")
 
@@ -172,7 +167,7 @@ recipe_type_problem = _RecipeTypeProblems()
 
 def refresh() -> None:
     """Forget every cached answer, so that a changed FASTCAST_GEMM takes effect."""
-    for fn in (gemm_mode, cuda_capability, _backend, unsupported_reason, default_recipe):
+    for fn in (gemm_mode, cuda_capability, _backend, default_recipe):
         fn.cache_clear()
     recipe_type_problem.clear()
     from .state import forget_checked_recipes  # noqa: PLC0415 - avoids an import cycle

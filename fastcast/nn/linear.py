@@ -94,9 +94,7 @@ class Linear(nn.Module):
         _check_features(x, self.in_features)
         if x.numel() == 0:  # nothing to quantize (an MoE expert without tokens, say)
             return F.linear(x, weight, bias)
-        plan = self._plan
-        if plan is None or not plan.matches(frame, ts):
-            plan = self._plan = build_plan(frame, ts, self._metas, weight.device)
+        plan = self._plan_for(frame, ts, weight)
         autograd = torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
@@ -104,6 +102,13 @@ class Linear(nn.Module):
         if autograd:
             return LinearFunction.apply(x, weight, bias, self, step)
         return self._forward_gemm(x, weight, bias, step, need_dgrad=False, need_wgrad=False)[0]
+
+    def _plan_for(self, frame: Any, ts: Any, weight: torch.Tensor) -> Plan:
+        """This module's plan for the frame's (recipe, group), rebuilt only when it changes."""
+        plan = self._plan
+        if plan is None or not plan.matches(frame, ts):
+            plan = self._plan = build_plan(frame, ts, self._metas, weight.device)
+        return plan
 
     def _forward_gemm(
         self,
@@ -148,9 +153,7 @@ class Linear(nn.Module):
 
     def _calibrate(self, x: torch.Tensor, weight: torch.Tensor, frame: Any, ts: Any) -> None:
         """High-precision run that records input and weight amaxes for delayed scaling."""
-        plan = self._plan
-        if plan is None or not plan.matches(frame, ts):
-            plan = self._plan = build_plan(frame, ts, self._metas, weight.device)
+        plan = self._plan_for(frame, ts, weight)
         if plan.delayed:
             record_amax(plan.fwd_meta.amax_slots[0], x.detach())
             record_amax(plan.fwd_meta.amax_slots[1], weight.detach())
