@@ -10,7 +10,6 @@ from .hardware import (
     nvfp4_available,
 )
 from .nn import Linear, convert
-from .quantize import quantize
 from .recipe import (
     CustomRecipe,
     DelayedScaling,
@@ -22,6 +21,7 @@ from .recipe import (
     Recipe,
 )
 from .recompute import checkpoint_context
+from .schemes import quantize
 from .state import get_autocast_recipe, is_autocast_enabled
 from .tensor import QuantizedTensor, TensorProto
 

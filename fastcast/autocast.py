@@ -6,8 +6,9 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .hardware import default_recipe, recipe_type_problem
+from .hardware import default_device_type
 from .recipe import Recipe
+from .schemes import default_recipe, scheme_for
 from .state import AutocastFrame, ThreadState, get_thread_state, thread_state
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -67,19 +68,21 @@ class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
         # per thread, so a loop over one recipe (or an outer and an inner one) pays an
         # identity test, not a look-up.
         recipe = self.recipe
-        if recipe_type_problem.get(type(recipe), True) is not None:
-            recipe_type_problem.check(recipe, self.enabled)
-        if recipe_type_problem[type(recipe)] is None:
-            ts.other_good_recipe = ts.last_good_recipe
-            ts.last_good_recipe = recipe
+        ok, why = scheme_for(recipe).support(default_device_type())
+        if not ok:
+            if self.enabled:
+                raise RuntimeError(f"{type(recipe).__name__} cannot run here: {why}")
+            return
+        ts.other_good_recipe = ts.last_good_recipe
+        ts.last_good_recipe = recipe
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         ts = self._ts
         ts.frame = self._prev
-        # Only threads that ran delayed-scaling modules have a registry; it decides
-        # whether this level ends the step (outermost enabled) and updates the scales.
-        if ts.registry is not None:
-            ts.registry.frame_exited(self, exc_type is None)
+        # Stateful schemes (delayed scaling) decide whether this level ends the step.
+        if ts.schemes:
+            for scheme_state in ts.schemes.values():
+                scheme_state.frame_exited(self, exc_type is None)
         self._prev = None
 
     def __call__(self, fn: F) -> F:

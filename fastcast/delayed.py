@@ -1,4 +1,7 @@
-"""Delayed scaling bookkeeping: amax histories and scales, updated in batches.
+"""Delayed scaling storage: amax histories and scales, updated in batches.
+
+What the recipe means, and when updates happen, is ``schemes/delayed.py``; this module
+holds the tensors.
 
 Every module keeps, per direction (forward: input and weight; backward: grad_output), a
 ``ScalingMeta``: an amax history ``[L, n]`` and scales ``[n]``. Once a module runs under
@@ -16,7 +19,6 @@ from typing import Any
 
 import torch
 
-from .profiling import annotate
 from .quantize.base import scale_from_amax
 from .recipe import ELEMENT_MAX, DelayedScaling
 
@@ -176,54 +178,3 @@ class Slab:
         if history.shape[0] > 1:
             history.copy_(torch.roll(history, -1, dims=0))
         history[0].zero_()
-
-
-class DelayedScalingRegistry:
-    """Per-thread set of slabs, keyed by (autocast key, direction, device)."""
-
-    __slots__ = ("slabs", "pending")
-
-    def __init__(self) -> None:
-        self.slabs: dict[tuple, Slab] = {}
-        # Slabs with amaxes recorded since their last update, per direction.
-        self.pending: tuple[set[Slab], set[Slab]] = (set(), set())
-
-    def slab(self, key: tuple, group: Any, direction: int, fmt: str, device: torch.device) -> Slab:
-        slab_key = (key, direction, device)
-        slab = self.slabs.get(slab_key)
-        if slab is None:
-            slab = self.slabs[slab_key] = Slab(key[0], group, fmt, device)
-        return slab
-
-    def mark(self, slab: Slab, direction: int) -> None:
-        self.pending[direction].add(slab)
-
-    @annotate("fastcast.amax_update")
-    def end(self, direction: int, group: Any = None) -> None:
-        """Update the slabs of one direction that recorded amaxes since their last update.
-
-        Slabs reduced over ``group`` (the step's group) update whether they recorded or
-        not: a rank that skipped every module of a slab this step must still join the
-        all_reduce (its columns contribute amax 0), or the other ranks would wait
-        forever. Slabs of other groups are left alone, so a step under another group (or
-        none) issues no collective of theirs. Slabs are visited in creation order, the
-        same on every rank.
-        """
-        pending = self.pending[direction]
-        for (_, slab_direction, _), slab in self.slabs.items():
-            if slab_direction != direction:
-                continue
-            if slab in pending or (group is not None and slab.group is group):
-                slab.update()
-        pending.clear()
-
-    def frame_exited(self, frame: Any, ok: bool = True) -> None:
-        """Called by autocast on exit: the outermost active level ends the forward step.
-
-        Scales move only after training (grad-enabled) or calibrating forwards that
-        finished (``ok``); amaxes seen otherwise stay recorded and join the next update.
-        """
-        if frame.opens_step():
-            if ok and (torch.is_grad_enabled() or frame.calibrating):
-                self.end(FORWARD, frame.group)
-            frame._ts.step_claimed = False

@@ -15,16 +15,9 @@ import torch
 
 from . import hardware
 from .profiling import annotate
-from .tensor import Float8Tensor, QuantizedTensor, block_family
+from .tensor import QuantizedTensor
 
 BACKENDS = ("hardware", "emulate")
-
-
-def operand_family(x: QuantizedTensor) -> str:
-    """The GEMM family of ``x``'s row-wise layout."""
-    if isinstance(x, Float8Tensor):
-        return block_family(x.block)
-    return x.family
 
 
 @annotate("fastcast.scaled_mm")
@@ -95,7 +88,7 @@ def _check_operands(a: QuantizedTensor, b: QuantizedTensor) -> tuple[str, str]:
     device = a.data.device
     if device != b.data.device:
         raise ValueError(f"scaled_mm: operands on different devices: {device} and {b.device}")
-    fa, fb = operand_family(a), operand_family(b)
+    fa, fb = a.family, b.family
     # Mixed families have no common kernel; the emulation handles any pair.
     return (fa if fa == fb else "mixed"), device.type
 

@@ -16,37 +16,13 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 
-from .recipe import (
-    CustomRecipe,
-    DelayedScaling,
-    Float8BlockScaling,
-    Float8CurrentScaling,
-    MXFP8BlockScaling,
-    NVFP4BlockScaling,
-    Recipe,
-)
+from .tensor import BLOCKWISE, MXFP8, NVFP4, ROWWISE, TENSORWISE
 
 GEMM_MODES = ("auto", "hardware", "emulate")
-
-# Scaling families: how operands carry their scales, which decides the GEMM kernel.
-TENSORWISE = "tensorwise"
-ROWWISE = "rowwise"
-BLOCKWISE = "blockwise"
-MXFP8 = "mxfp8"
-NVFP4 = "nvfp4"
-FAMILIES = (TENSORWISE, ROWWISE, BLOCKWISE, MXFP8, NVFP4)
-
-RECIPE_FAMILY: dict[type, str | None] = {
-    DelayedScaling: TENSORWISE,
-    Float8CurrentScaling: TENSORWISE,
-    Float8BlockScaling: BLOCKWISE,
-    MXFP8BlockScaling: MXFP8,
-    NVFP4BlockScaling: NVFP4,
-    CustomRecipe: None,  # its quantizers decide, GEMM by GEMM
-}
 
 # Lowest CUDA compute capability with FP8 tensor cores.
 CUDA_FP8_CAPABILITY = (8, 9)
@@ -131,48 +107,25 @@ def _describe(device_type: str) -> str:
     return device_type.upper()
 
 
-def _type_support(recipe_type: type, device_type: str) -> tuple[bool, str]:
-    family = RECIPE_FAMILY.get(recipe_type)
-    if family is None:
-        if recipe_type is CustomRecipe:
-            return True, "custom recipe: its quantizers decide"
-        return False, f"unknown recipe type {recipe_type.__name__}"
-    backend, reason = gemm_backend(device_type, family)
-    return backend is not None, reason
+# Caches elsewhere that depend on the answers here (see ``on_refresh``).
+_refresh_hooks: list[Callable[[], None]] = []
 
 
-def recipe_support(recipe: Recipe, device_type: str | None = None) -> tuple[bool, str]:
-    """Whether ``recipe`` can run on this machine, and why (or why not)."""
-    return _type_support(type(recipe), device_type or default_device_type())
+def on_refresh(hook: Callable[[], None]) -> Callable[[], None]:
+    """Register ``hook`` to run on ``refresh()``; for caches derived from these answers.
 
-
-class _RecipeTypeProblems(dict):
-    """``type -> None | reason``: why recipes of a type cannot run here, filled on demand.
-
-    A plain dict look-up on the autocast hot path; ``check`` fills a missing entry and
-    raises for a non-recipe (always) or an unsupported recipe (when enabled).
+    Modules register at import time, so this module needs to import none of them.
     """
-
-    def check(self, recipe: object, enabled: bool) -> None:
-        if not isinstance(recipe, Recipe):
-            raise TypeError(f"recipe must be a fastcast recipe, got {type(recipe).__name__}")
-        ok, why = _type_support(type(recipe), default_device_type())
-        reason = self[type(recipe)] = None if ok else why
-        if reason is not None and enabled:
-            raise RuntimeError(f"{type(recipe).__name__} cannot run here: {reason}")
-
-
-recipe_type_problem = _RecipeTypeProblems()
+    _refresh_hooks.append(hook)
+    return hook
 
 
 def refresh() -> None:
     """Forget every cached answer, so that a changed FASTCAST_GEMM takes effect."""
-    for fn in (gemm_mode, cuda_capability, _backend, default_recipe):
+    for fn in (gemm_mode, cuda_capability, _backend):
         fn.cache_clear()
-    recipe_type_problem.clear()
-    from .state import forget_checked_recipes  # noqa: PLC0415 - avoids an import cycle
-
-    forget_checked_recipes()
+    for hook in _refresh_hooks:
+        hook()
 
 
 def _available(family: str) -> tuple[bool, str]:
@@ -198,12 +151,3 @@ def mxfp8_available() -> tuple[bool, str]:
 def nvfp4_available() -> tuple[bool, str]:
     """NVFP4 (16-element E2M1 blocks): ``(available, reason)``."""
     return _available(NVFP4)
-
-
-@functools.cache
-def default_recipe() -> Recipe:
-    """The best recipe this machine runs natively, built once per process."""
-    cap = cuda_capability()
-    if cap is not None and cap >= (10, 0) and has_kernel("cuda", MXFP8):
-        return MXFP8BlockScaling()
-    return DelayedScaling()

@@ -11,7 +11,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 
 class Format(enum.Enum):
@@ -28,6 +28,10 @@ class Format(enum.Enum):
     def __init__(self, fwd: str, bwd: str) -> None:
         self.fwd = fwd
         self.bwd = bwd
+
+    def for_role(self, role: str) -> str:
+        """The element format of a GEMM operand role: gradients use the backward one."""
+        return self.bwd if role == "grad_output" else self.fwd
 
     @property
     def max_fwd(self) -> float:
@@ -221,8 +225,6 @@ class Float8BlockScaling(Recipe):
     grad_block_scaling_dim: int = 1
     use_f32_scales: bool = False
 
-    BLOCK: ClassVar[int] = 128
-
     def _check(self) -> None:
         name = "Float8BlockScaling"
         _require_format(name, self.fp8_format, (Format.E4M3, Format.HYBRID))
@@ -255,8 +257,6 @@ class MXFP8BlockScaling(Recipe):
 
     fp8_format: Format = Format.E4M3
 
-    BLOCK: ClassVar[int] = 32
-
     def _check(self) -> None:
         _require_format("MXFP8BlockScaling", self.fp8_format, (Format.E4M3, Format.HYBRID))
 
@@ -272,8 +272,6 @@ class NVFP4BlockScaling(Recipe):
     fp4_format: Format = Format.E2M1
     weight_2d_blocks: bool = True
     stochastic_rounding: bool = False
-
-    BLOCK: ClassVar[int] = 16
 
     def _check(self) -> None:
         name = "NVFP4BlockScaling"
@@ -296,13 +294,3 @@ class CustomRecipe(Recipe):
             callable(self.qfactory),
             f"CustomRecipe: qfactory must be callable as qfactory(role), got {self.qfactory!r}",
         )
-
-
-RECIPE_TYPES: tuple[type[Recipe], ...] = (
-    DelayedScaling,
-    Float8CurrentScaling,
-    Float8BlockScaling,
-    MXFP8BlockScaling,
-    NVFP4BlockScaling,
-    CustomRecipe,
-)

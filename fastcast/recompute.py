@@ -4,36 +4,16 @@
 context_fn=fc.checkpoint_context)`` runs ``fn`` once without keeping activations and
 again in backward. The second run happens outside the user's ``fc.autocast`` and after
 delayed-scaling scales have moved on, so the context pair recorded here re-creates the
-autocast state and hands each module the scales its first run used, in order.
+autocast state and has each delayed-scaling module replay the scales (and weight) its
+first run used, in order.
 """
 
 from __future__ import annotations
 
-import collections
 from typing import Any
 
+from .schemes.delayed import DelayedThreadState, ReplayLog
 from .state import AutocastFrame, thread_state
-
-
-class ReplayLog:
-    """Scales used by the original forward, replayed in the same order."""
-
-    __slots__ = ("recording", "entries", "frame")
-
-    def __init__(self) -> None:
-        self.recording = True
-        self.entries: collections.deque = collections.deque()
-        self.frame: AutocastFrame | None = None
-
-    def push(self, entry: Any) -> None:
-        self.entries.append(entry)
-
-    def pop(self) -> Any:
-        if not self.entries:
-            raise RuntimeError(
-                "activation recomputation ran more fastcast modules than the original forward"
-            )
-        return self.entries.popleft()
 
 
 class _RecordForward:
@@ -47,11 +27,12 @@ class _RecordForward:
     def __enter__(self) -> None:
         ts = thread_state()
         self.log.frame = ts.frame
-        self._saved = ts.replay
-        ts.replay = self.log
+        delayed = DelayedThreadState.of(ts)
+        self._saved = delayed.replay
+        delayed.replay = self.log
 
     def __exit__(self, *exc: Any) -> None:
-        thread_state().replay = self._saved
+        DelayedThreadState.of(thread_state()).replay = self._saved
         self.log.recording = False
 
 
@@ -74,12 +55,13 @@ class _Replay:
             original.enabled, original.recipe, original.calibrating, original.group
         )
         frame._prev = ts.frame
-        self._saved = (ts.frame, ts.replay)
-        ts.frame, ts.replay = frame, self.log
+        delayed = DelayedThreadState.of(ts)
+        self._saved = (ts.frame, delayed.replay)
+        ts.frame, delayed.replay = frame, self.log
 
     def __exit__(self, *exc: Any) -> None:
         ts = thread_state()
-        ts.frame, ts.replay = self._saved
+        ts.frame, DelayedThreadState.of(ts).replay = self._saved
 
 
 def checkpoint_context() -> tuple[_RecordForward, _Replay]:

@@ -1,4 +1,4 @@
-"""The state manager: per-thread autocast frames, autocast keys, the amax registry.
+"""The state manager: per-thread autocast frames, autocast keys, stateful schemes' slots.
 
 Each thread has its own stack of autocast frames (a linked list through ``_prev``), so
 two threads entering different recipes never see each other's state. Whatever backward
@@ -12,8 +12,9 @@ import contextvars
 import itertools
 import threading
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
+from .hardware import on_refresh
 from .recipe import Recipe
 
 
@@ -71,33 +72,35 @@ OUTSIDE = AutocastFrame(enabled=False, recipe=None)
 
 
 class ThreadState:
-    """The state of one thread: its innermost frame and its delayed-scaling registry."""
+    """The state of one thread: its innermost frame, and what stateful schemes keep."""
 
     __slots__ = (
         "frame",
-        "step_claimed",
-        "registry",
         "last_good_recipe",
         "other_good_recipe",
-        "replay",
+        "schemes",
         "unsafe_extra_state",
         "__weakref__",
     )
 
     def __init__(self) -> None:
         self.frame: AutocastFrame = OUTSIDE
-        # The first delayed-scaling module of a step claims it (its backward, the last
-        # to run, ends the step); the outermost active autocast's exit clears the claim.
-        self.step_claimed = False
-        self.registry: Any = None  # the delayed-scaling registry, created on first use
-        # The two recipes that last passed the support check in this thread.
+        # The two recipes that last passed autocast's support check in this thread.
         self.last_good_recipe: Recipe | None = None
         self.other_good_recipe: Recipe | None = None
-        # Set inside an activation-checkpointed region (see recompute.py).
-        self.replay: Any = None
+        # One entry per stateful scheme that ran in this thread (delayed scaling: its
+        # slabs and step bookkeeping); autocast's exit notifies each. Empty for stateless
+        # recipes, so their exit pays one truth test.
+        self.schemes: dict[type, SchemeThreadState] = {}
         # Depth of ``fc.allow_unsafe_extra_state`` blocks: above 0, a foreign pickled
         # extra state may be unpickled in this thread (see checkpoint.py).
         self.unsafe_extra_state = 0
+
+
+class SchemeThreadState(Protocol):
+    """What a stateful scheme keeps per thread: told when an autocast level exits."""
+
+    def frame_exited(self, frame: AutocastFrame, ok: bool) -> None: ...
 
 
 # One ThreadState per thread, held in a context variable: every thread starts with an
@@ -122,6 +125,7 @@ def thread_state() -> ThreadState:
         return ts
 
 
+@on_refresh
 def forget_checked_recipes() -> None:
     """Make every thread check its next recipe again (after a capability refresh)."""
     for ts in list(_all_thread_states):
@@ -141,14 +145,6 @@ def is_autocast_enabled() -> bool:
 def get_autocast_recipe() -> Recipe | None:
     """The recipe of the innermost autocast of this thread; None outside any autocast."""
     return thread_state().frame.recipe
-
-
-def claim_step_start(ts: ThreadState) -> bool:
-    """True for exactly one caller per outermost autocast: the step's first module."""
-    if ts.step_claimed:
-        return False
-    ts.step_claimed = True
-    return True
 
 
 class _GroupIds:

@@ -28,6 +28,14 @@ STORAGE: dict[str, type[QuantizedTensor]] = {}
 
 FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
+# GEMM families: how the operands carry their scales, which decides the GEMM kernel.
+TENSORWISE = "tensorwise"
+ROWWISE = "rowwise"
+BLOCKWISE = "blockwise"
+MXFP8 = "mxfp8"
+NVFP4 = "nvfp4"
+FAMILIES = (TENSORWISE, ROWWISE, BLOCKWISE, MXFP8, NVFP4)
+
 
 def register_storage(cls: type[QuantizedTensor]) -> type[QuantizedTensor]:
     """Class decorator: make ``cls`` rebuildable from its ``storage_name``."""
@@ -60,7 +68,8 @@ class QuantizedTensor:
     """Base storage: subclasses say how data and scales decode to FP32."""
 
     storage_name: ClassVar[str]
-    family: ClassVar[str]  # the GEMM kernel family (see hardware.FAMILIES)
+    # The GEMM family (one of FAMILIES) when it is the same for every layout of the class.
+    FAMILY: ClassVar[str]
     # Tensor-valued attributes, in flatten order; any of them may be None.
     inner_names: ClassVar[tuple[str, ...]] = ("data", "scale_inv", "data_t", "scale_inv_t")
 
@@ -120,6 +129,11 @@ class QuantizedTensor:
     @property
     def device(self) -> torch.device:
         return (self.data if self.data is not None else self.data_t).device
+
+    @property
+    def family(self) -> str:
+        """The GEMM family (one of ``FAMILIES``) of the row-wise layout."""
+        return self.FAMILY
 
     @property
     def has_rowwise(self) -> bool:
@@ -266,10 +280,10 @@ class QuantizedTensor:
 def block_family(block: tuple[int, int]) -> str:
     """The GEMM family of an FP8 layout with FP32 scales over ``block``."""
     if block == (0, 0):
-        return "tensorwise"
+        return TENSORWISE
     if block == (1, 0):
-        return "rowwise"
-    return "blockwise"
+        return ROWWISE
+    return BLOCKWISE
 
 
 @register_storage
@@ -281,8 +295,12 @@ class Float8Tensor(QuantizedTensor):
     """
 
     storage_name = "float8"
-    family = "float8"  # refined per layout by ``block_family``
     __slots__ = ()
+
+    @property
+    def family(self) -> str:
+        """Per-tensor, per-row or block-scaled: decided by the row-wise layout's block."""
+        return block_family(self.block)
 
 
 @register_storage
@@ -290,7 +308,7 @@ class MXFP8Tensor(QuantizedTensor):
     """OCP MXFP8: FP8 elements, one E8M0 scale (uint8 biased exponent) per 32 along K."""
 
     storage_name = "mxfp8"
-    family = "mxfp8"
+    FAMILY = MXFP8
     __slots__ = ()
 
     def _decode_scales(self, scales: torch.Tensor) -> torch.Tensor:
@@ -313,7 +331,7 @@ class NVFP4Tensor(QuantizedTensor):
     scale per 16 elements, and an FP32 per-tensor scale (``global_scale_inv``)."""
 
     storage_name = "nvfp4"
-    family = "nvfp4"
+    FAMILY = NVFP4
     inner_names = QuantizedTensor.inner_names + ("global_scale_inv",)
     __slots__ = ("global_scale_inv",)
 

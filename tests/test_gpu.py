@@ -12,6 +12,7 @@ import torch
 
 import fastcast as fc
 from fastcast import hardware
+from fastcast.schemes import recipe_support
 
 pytestmark = [
     pytest.mark.gpu,
@@ -82,7 +83,7 @@ def test_backward_layouts_on_tensor_cores():
     ids=lambda r: type(r).__name__,
 )
 def test_linear_trains_on_the_device(recipe):
-    ok, reason = hardware.recipe_support(recipe, "cuda")
+    ok, reason = recipe_support(recipe, "cuda")
     if not ok:
         pytest.skip(reason)
     torch.manual_seed(2)

@@ -545,13 +545,13 @@ class _Counting:
 
 
 def _counting_recipe():
-    from fastcast.quantize import stateless_quantizer
+    from fastcast.schemes import scheme_for
 
     base = fc.Float8CurrentScaling()
     calls = []
 
     def qfactory(role):
-        q = stateless_quantizer(base, role)
+        q = scheme_for(base).quantizer(base, role)
         return _Counting(q, calls) if role == "weight" else q
 
     return fc.CustomRecipe(qfactory), calls

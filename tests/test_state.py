@@ -10,7 +10,8 @@ import pytest
 
 import fastcast as fc
 from fastcast import state
-from fastcast.state import OUTSIDE, ThreadState, autocast_key, claim_step_start
+from fastcast.schemes.delayed import DelayedThreadState
+from fastcast.state import OUTSIDE, ThreadState, autocast_key
 
 
 class Group:
@@ -233,22 +234,24 @@ def test_frame_key_matches_autocast_key():
 def test_fresh_thread_state():
     ts = ThreadState()
     assert ts.frame is OUTSIDE
-    assert ts.step_claimed is False
-    assert ts.registry is None
+    assert ts.schemes == {}  # no stateful scheme has run in it
     assert ts.last_good_recipe is None
 
 
-def test_claim_step_start_first_call_wins():
+def test_claim_step_first_call_wins():
     ts, other = ThreadState(), ThreadState()
-    assert claim_step_start(ts) is True
-    assert claim_step_start(ts) is False
-    assert claim_step_start(ts) is False
-    assert ts.step_claimed is True
+    mine = DelayedThreadState.of(ts)
+    assert DelayedThreadState.of(ts) is mine  # made once per thread state
+    assert mine.step_claimed is False
+    assert mine.claim_step() is True
+    assert mine.claim_step() is False
+    assert mine.claim_step() is False
+    assert mine.step_claimed is True
     # Each thread state has its own claim.
-    assert claim_step_start(other) is True
+    assert DelayedThreadState.of(other).claim_step() is True
     # Clearing the claim (what the end of a step does) lets the next step claim it.
-    ts.step_claimed = False
-    assert claim_step_start(ts) is True
+    mine.step_claimed = False
+    assert mine.claim_step() is True
 
 
 def test_outside_frame():

@@ -6,20 +6,9 @@ from collections.abc import Callable
 
 from torch import nn
 
-from ..recipe import MXFP8BlockScaling, NVFP4BlockScaling, Recipe
+from ..recipe import Recipe
+from ..schemes import DEFAULT_ALIGNMENT, scheme_for
 from .linear import Linear
-
-# The FP8 tensor-core kernels need both GEMM dims of the weight to be multiples of 16.
-DEFAULT_ALIGNMENT = 16
-
-
-def required_alignment(recipe: Recipe | None) -> int:
-    """What in/out features must be multiples of for ``recipe`` (block size or 16)."""
-    if isinstance(recipe, MXFP8BlockScaling):
-        return MXFP8BlockScaling.BLOCK
-    if isinstance(recipe, NVFP4BlockScaling):
-        return NVFP4BlockScaling.BLOCK
-    return DEFAULT_ALIGNMENT
 
 
 def convert(
@@ -36,7 +25,7 @@ def convert(
     otherwise) are kept as they are, since their GEMMs could not run quantized.
     A bare ``nn.Linear`` passed as ``module`` is converted and returned.
     """
-    align = required_alignment(recipe)
+    align = DEFAULT_ALIGNMENT if recipe is None else scheme_for(recipe).alignment(recipe)
 
     def eligible(child: nn.Module, name: str) -> bool:
         if type(child) is not nn.Linear:  # subclasses may override forward: leave them

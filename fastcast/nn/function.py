@@ -1,4 +1,5 @@
-"""The autograd Function behind ``fc.Linear``, and what it captures per call.
+"""The autograd Function behind ``fc.Linear`` and the forward GEMM it shares with the
+no-grad path.
 
 Forward quantizes input and weight and saves only their column-wise (transposed) FP8
 layouts; backward quantizes the gradient and runs dgrad and wgrad as scaled GEMMs.
@@ -6,86 +7,54 @@ layouts; backward quantizes the gradient and runs dgrad and wgrad as scaled GEMM
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ..delayed import BACKWARD, FORWARD
 from ..gemm import scaled_mm
 from ..profiling import annotate
-from ..quantize.tensorwise import FixedScaleQuantizer
-from ..state import claim_step_start
 from ..tensor import QuantizedTensor
-from .plan import Plan
-
-if TYPE_CHECKING:
-    from .linear import Linear
+from .weight_cache import WeightCache
 
 
-class StepInfo:
-    """Per-call choices that backward needs, captured at forward time (backward may run on
-    another thread, after the autocast has exited and the scales have moved on)."""
+def forward_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    call: Any,
+    weight_cache: WeightCache,
+    first: bool | None,
+    need_dgrad: bool,
+    need_wgrad: bool,
+) -> tuple[torch.Tensor, QuantizedTensor, QuantizedTensor]:
+    """Quantize input and weight with ``call``'s quantizers and run the forward GEMM.
 
-    __slots__ = (
-        "plan",
-        "input_q",
-        "weight_q",
-        "grad_q",
-        "is_first_microbatch",
-        "ends_step",
-        "registry",
-        "replay_entry",
-        "replayed_weight",
-    )
+    ``call`` is the scheme's per-call object (``schemes.base.Plan.call``); column-wise
+    layouts are made only for the backward GEMMs that will run.
+    """
+    x_q = call.input_q.quantize(x, rowwise=True, columnwise=need_wgrad)
+    w_q = call.replayed_weight
+    if w_q is None:
+        w_q = weight_cache.quantize(weight, call.weight_q, first, columnwise=need_dgrad)
+        w_q = call.remember_weight(w_q)
+    out = scaled_mm(x_q, w_q, out_dtype=_output_dtype(x), bias=bias)
+    call.forward_done()
+    return out, x_q, w_q
 
-    def __init__(
-        self, plan: Plan, ts: Any, is_first_microbatch: bool | None, autograd: bool
-    ) -> None:
-        self.plan = plan
-        self.is_first_microbatch = is_first_microbatch
-        self.input_q, self.weight_q, self.grad_q = plan.input_q, plan.weight_q, plan.grad_q
-        self.registry = plan.registry
-        self.ends_step = False
-        self.replay_entry = self.replayed_weight = None
-        if plan.registry is None:
-            return
-        replay = ts.replay
-        if replay is not None and not replay.recording:
-            self._replay(replay.pop())
-            return
-        if replay is not None:  # a checkpointed forward: keep what the replay will need
-            self.replay_entry = [plan.fwd_meta.scale.clone(), None]
-            replay.push(self.replay_entry)
-        # Only a module whose backward will run can end the step's backward.
-        self.ends_step = autograd and claim_step_start(ts)
 
-    def _replay(self, entry: list) -> None:
-        """Under activation recomputation: the original forward's input scale and the very
-        weight it used (possibly cached from an earlier micro-batch); record nothing."""
-        scale, self.replayed_weight = entry
-        self.input_q = FixedScaleQuantizer(scale[0:1], self.plan.recipe.fp8_format.fwd)
-        self.is_first_microbatch = None
-        self.registry = None
-
-    def remember_weight(self, w_q: QuantizedTensor) -> QuantizedTensor:
-        if self.replay_entry is not None:
-            self.replay_entry[1] = w_q
-        return w_q
-
-    def mark_forward(self) -> None:
-        if self.registry is not None:
-            self.registry.mark(self.plan.fwd_slab, FORWARD)
-
-    def mark_backward(self) -> None:
-        registry = self.plan.registry
-        if registry is not None:
-            registry.mark(self.plan.bwd_slab, BACKWARD)
-            if self.ends_step:
-                registry.end(BACKWARD, self.plan.group)
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
 
 
 class LinearFunction(torch.autograd.Function):
-    """FP8 forward and both backward GEMMs, saving only quantized operands."""
+    """FP8 forward and both backward GEMMs, saving only quantized operands.
+
+    It receives what it needs (the per-call object, the weight cache, the micro-batch
+    flag), never the module.
+    """
 
     @staticmethod
     def forward(
@@ -93,11 +62,14 @@ class LinearFunction(torch.autograd.Function):
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        module: Linear,
-        step: StepInfo,
+        call: Any,
+        weight_cache: WeightCache,
+        first: bool | None,
     ) -> torch.Tensor:
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        out, x_q, w_q = module._forward_gemm(x, weight, bias, step, need_dgrad, need_wgrad)
+        out, x_q, w_q = forward_gemm(
+            x, weight, bias, call, weight_cache, first, need_dgrad, need_wgrad
+        )
         # Backward contracts over the other dim of each operand: keep only the
         # column-wise layouts, in FP8, flattened to tensors so saved-tensor hooks see them.
         saved = [
@@ -106,7 +78,7 @@ class LinearFunction(torch.autograd.Function):
         ]
         tensors, ctx.shells = _strip_tensors(saved)
         ctx.save_for_backward(*tensors)
-        ctx.step = step
+        ctx.call = call
         ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out
 
@@ -115,12 +87,12 @@ class LinearFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
         x_t, w_t = _restore_tensors(ctx.saved_tensors, ctx.shells)
-        step = ctx.step
+        call = ctx.call
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         g2d = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
         dgrad = wgrad = bgrad = None
         if need_dgrad or need_wgrad:
-            g_q = step.grad_q.quantize(g2d, rowwise=need_dgrad, columnwise=need_wgrad)
+            g_q = call.grad_q.quantize(g2d, rowwise=need_dgrad, columnwise=need_wgrad)
         if need_dgrad:  # [M, N] @ [N, K]
             dgrad = scaled_mm(g_q, w_t, out_dtype=x_dtype)
             if len(x_shape) != 2:
@@ -131,8 +103,8 @@ class LinearFunction(torch.autograd.Function):
             bgrad = g2d.sum(dim=0, dtype=torch.float32)
             if b_dtype != torch.float32:
                 bgrad = bgrad.to(b_dtype)
-        step.mark_backward()
-        return dgrad, wgrad, bgrad, None, None
+        call.backward_done()
+        return dgrad, wgrad, bgrad, None, None, None
 
 
 def _strip_tensors(

@@ -10,15 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import decode_extra_state, encode_extra_state
-from ..delayed import FORWARD, ScalingMeta
-from ..gemm import scaled_mm
+from ..delayed import ScalingMeta
 from ..profiling import annotate
 from ..quantize.base import check_input
-from ..quantize.tensorwise import record_amax
-from ..state import get_thread_state, optimizer_steps, thread_state
-from ..tensor import QuantizedTensor
-from .function import LinearFunction, StepInfo
-from .plan import Plan, build_plan
+from ..schemes import Plan, scheme_for
+from ..state import AutocastFrame, ThreadState, get_thread_state, thread_state
+from .function import LinearFunction, forward_gemm
+from .weight_cache import WeightCache
 
 
 class Linear(nn.Module):
@@ -59,7 +57,8 @@ class Linear(nn.Module):
     def _init_runtime(self) -> None:
         # Runtime-only state: rebuilt after pickling, never part of the state dict.
         self._plan: Plan | None = None
-        self._weight_cache: tuple[QuantizedTensor, tuple[int, int], Plan] | None = None
+        self._weight_cache = WeightCache()
+        # Per-module state of stateful schemes (delayed scaling: direction -> ScalingMeta).
         self._metas: dict[int, ScalingMeta] = {}
 
     def reset_parameters(self) -> None:
@@ -98,66 +97,25 @@ class Linear(nn.Module):
         autograd = torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
-        step = StepInfo(plan, ts, is_first_microbatch, autograd)
+        call = plan.call(ts, autograd)
+        cache = self._weight_cache
         if autograd:
-            return LinearFunction.apply(x, weight, bias, self, step)
-        return self._forward_gemm(x, weight, bias, step, need_dgrad=False, need_wgrad=False)[0]
+            return LinearFunction.apply(x, weight, bias, call, cache, is_first_microbatch)
+        return forward_gemm(x, weight, bias, call, cache, is_first_microbatch, False, False)[0]
 
-    def _plan_for(self, frame: Any, ts: Any, weight: torch.Tensor) -> Plan:
+    def _plan_for(self, frame: AutocastFrame, ts: ThreadState, weight: torch.Tensor) -> Plan:
         """This module's plan for the frame's (recipe, group), rebuilt only when it changes."""
         plan = self._plan
         if plan is None or not plan.matches(frame, ts):
-            plan = self._plan = build_plan(frame, ts, self._metas, weight.device)
+            scheme = scheme_for(frame.recipe)
+            plan = self._plan = scheme.plan(frame, ts, self._metas, weight.device)
         return plan
 
-    def _forward_gemm(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        step: StepInfo,
-        need_dgrad: bool,
-        need_wgrad: bool,
-    ) -> tuple[torch.Tensor, QuantizedTensor, QuantizedTensor]:
-        """Quantize input and weight and run the forward GEMM."""
-        x_q = step.input_q.quantize(x, rowwise=True, columnwise=need_wgrad)
-        w_q = self._quantized_weight(weight, step, columnwise=need_dgrad)
-        out = scaled_mm(x_q, w_q, out_dtype=_output_dtype(x), bias=bias)
-        step.mark_forward()
-        return out, x_q, w_q
-
-    def _quantized_weight(
-        self, weight: torch.Tensor, step: StepInfo, columnwise: bool
-    ) -> QuantizedTensor:
-        if step.replayed_weight is not None:
-            return step.replayed_weight
-        cache = self._weight_cache
-        first = step.is_first_microbatch
-        if first is False and cache is not None:
-            w_q, version, plan = cache
-            # Reuse only what was quantized from this very weight under this plan, with
-            # no optimizer step since (fused optimizers leave the version counter alone).
-            if (
-                version == (weight._version, optimizer_steps())
-                and plan is step.plan
-                and (w_q.has_columnwise or not columnwise)
-            ):
-                return step.remember_weight(w_q)
-        w_q = step.weight_q.quantize(weight, rowwise=True, columnwise=columnwise)
-        if first is None:
-            self._weight_cache = None
-        else:
-            version = (weight._version, optimizer_steps(install=True))
-            self._weight_cache = (w_q, version, step.plan)
-        return step.remember_weight(w_q)
-
-    def _calibrate(self, x: torch.Tensor, weight: torch.Tensor, frame: Any, ts: Any) -> None:
-        """High-precision run that records input and weight amaxes for delayed scaling."""
-        plan = self._plan_for(frame, ts, weight)
-        if plan.delayed:
-            record_amax(plan.fwd_meta.amax_slots[0], x.detach())
-            record_amax(plan.fwd_meta.amax_slots[1], weight.detach())
-            plan.registry.mark(plan.fwd_slab, FORWARD)
+    def _calibrate(
+        self, x: torch.Tensor, weight: torch.Tensor, frame: AutocastFrame, ts: ThreadState
+    ) -> None:
+        """High-precision run that lets stateful schemes record what they need."""
+        self._plan_for(frame, ts, weight).calibrate(x, weight)
 
     # -- state: _extra_state, device moves, pickling ------------------------------------------
     def get_extra_state(self) -> Any:
@@ -169,7 +127,7 @@ class Linear(nn.Module):
             meta.detach()
         self._metas = metas
         self._plan = None
-        self._weight_cache = None
+        self._weight_cache.clear()
 
     def _apply(self, fn: Any, recurse: bool = True) -> Linear:
         super()._apply(fn, recurse)
@@ -177,14 +135,14 @@ class Linear(nn.Module):
         for meta in self._metas.values():
             meta.move_to(self.weight.device)
         self._plan = None
-        self._weight_cache = None
+        self._weight_cache.clear()
         return self
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_metas"] = {d: m.state() for d, m in self._metas.items()}
-        state["_plan"] = None
-        state["_weight_cache"] = None
+        # Runtime-only: rebuilt by _init_runtime on unpickling.
+        del state["_plan"], state["_weight_cache"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -201,10 +159,3 @@ def _check_features(x: torch.Tensor, in_features: int) -> None:
             f"fc.Linear(in_features={in_features}) expects input [..., {in_features}], got {shape}"
         )
     check_input(x)
-
-
-def _output_dtype(x: torch.Tensor) -> torch.dtype:
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return x.dtype

@@ -43,6 +43,13 @@ def check_input(x: object, what: str = "input") -> torch.Tensor:
     return x
 
 
+def check_fp8_format(owner: str, fmt: object) -> str:
+    """``fmt`` if it names an FP8 element format (``e4m3`` or ``e5m2``), else ValueError."""
+    if fmt not in FP8_DTYPES:
+        raise ValueError(f"{owner}: fmt must be e4m3 or e5m2, got {fmt!r}")
+    return fmt  # type: ignore[return-value]
+
+
 def as_matrix(x: torch.Tensor) -> torch.Tensor:
     """``[..., K]`` viewed as ``[R, K]`` (copying only if the layout needs it)."""
     shape = x.shape

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import Float8Tensor
-from .base import as_matrix, check_input, saturating_cast, scale_from_amax
+from .base import as_matrix, check_fp8_format, check_input, saturating_cast, scale_from_amax
 
 TILE = 128  # tile extent along K (and along R for 128x128 tiles)
 TILE_ROWS = {1: 1, 2: TILE}  # block_dim -> tile extent along R
@@ -76,8 +76,7 @@ class BlockScalingQuantizer:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
-        if self.fmt not in ("e4m3", "e5m2"):
-            raise ValueError(f"{name}: fmt must be e4m3 or e5m2, got {self.fmt!r}")
+        check_fp8_format(name, self.fmt)
         if isinstance(self.block_dim, bool) or self.block_dim not in TILE_ROWS:
             raise ValueError(
                 f"{name}: block_dim must be 1 (1x128 tiles) or 2 (128x128 tiles), "

@@ -11,7 +11,7 @@ import torch
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import MXFP8Tensor
-from .base import as_matrix, check_input, saturating_cast
+from .base import as_matrix, check_fp8_format, check_input, saturating_cast
 
 MX_BLOCK = 32
 E8M0_BIAS = 127
@@ -103,8 +103,7 @@ class MXFP8Quantizer:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
-        if self.fmt not in EMAX_ELEM:
-            raise ValueError(f"{name}: fmt must be e4m3 or e5m2, got {self.fmt!r}")
+        check_fp8_format(name, self.fmt)
         if self.scale_rule not in SCALE_RULES:
             raise ValueError(f"{name}: scale_rule must be rceil or ocp, got {self.scale_rule!r}")
 

@@ -10,7 +10,14 @@ import torch
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import Float8Tensor
-from .base import as_matrix, check_input, saturating_cast, scale_from_amax, tensor_amax
+from .base import (
+    as_matrix,
+    check_fp8_format,
+    check_input,
+    saturating_cast,
+    scale_from_amax,
+    tensor_amax,
+)
 
 WHOLE = (0, 0)  # one scale for the whole tensor
 
@@ -57,8 +64,7 @@ class CurrentScalingQuantizer:
     amax_reduction_group: Any = None
 
     def __post_init__(self) -> None:
-        if self.fmt not in ("e4m3", "e5m2"):
-            raise ValueError(f"CurrentScalingQuantizer: fmt must be e4m3 or e5m2, got {self.fmt!r}")
+        check_fp8_format(type(self).__name__, self.fmt)
 
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
@@ -92,8 +98,7 @@ class DelayedScalingQuantizer:
     __slots__ = ("meta", "index", "fmt", "recording")
 
     def __init__(self, meta: Any, index: int, fmt: str = "e4m3") -> None:
-        if fmt not in ("e4m3", "e5m2"):
-            raise ValueError(f"DelayedScalingQuantizer: fmt must be e4m3 or e5m2, got {fmt!r}")
+        check_fp8_format(type(self).__name__, fmt)
         self.meta = meta
         self.index = index
         self.fmt = fmt

@@ -1,0 +1,50 @@
+"""The quantized weight a module keeps across the micro-batches of one step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..quantize.base import Quantizer
+from ..state import optimizer_steps
+from ..tensor import QuantizedTensor
+
+
+class WeightCache:
+    """``is_first_microbatch=True`` quantizes the weight and keeps it; ``False`` reuses
+    it while it is still what quantizing the weight would give: same weight version, no
+    optimizer step since (fused optimizers leave the version counter alone), the same
+    quantizer, and the layouts asked for."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self) -> None:
+        self.entry: tuple[QuantizedTensor, tuple[int, int], Quantizer] | None = None
+
+    def clear(self) -> None:
+        self.entry = None
+
+    def quantize(
+        self,
+        weight: torch.Tensor,
+        quantizer: Any,
+        first: bool | None,
+        columnwise: bool,
+    ) -> QuantizedTensor:
+        """The quantized ``weight``, from the cache when ``first`` is False and it is valid."""
+        entry = self.entry
+        if first is False and entry is not None:
+            w_q, version, cached_by = entry
+            if (
+                version == (weight._version, optimizer_steps())
+                and cached_by is quantizer
+                and (w_q.has_columnwise or not columnwise)
+            ):
+                return w_q
+        w_q = quantizer.quantize(weight, rowwise=True, columnwise=columnwise)
+        if first is None:
+            self.entry = None
+        else:
+            self.entry = (w_q, (weight._version, optimizer_steps(install=True)), quantizer)
+        return w_q

@@ -1,0 +1,146 @@
+"""What a recipe means: the scheme protocol, the plan a module runs, the registry.
+
+A scheme is the one place that knows, for one recipe type, its GEMM family, the
+alignment its layers need, how to build quantizers for a (recipe, group) pair, and, for
+stateful recipes, the lifecycle hooks (per call, per backward, on autocast exit).
+Schemes register by recipe type; adding a recipe is a recipe class, a scheme and a
+quantizer module, with nothing else edited.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from ..hardware import default_device_type, gemm_backend
+from ..quantize.base import ROLES, Quantizer
+from ..recipe import Recipe
+from ..state import AutocastFrame, ThreadState
+
+# The FP8 tensor-core kernels need both GEMM dims of a weight to be multiples of 16.
+DEFAULT_ALIGNMENT = 16
+
+
+class Plan:
+    """What a module runs under one (recipe, group): the quantizers of its three roles.
+
+    Built by the scheme the first time a module meets the pair, reused while the pair
+    stays (two identity tests per call). Stateless schemes use this class as it is; it is
+    then also the per-call object handed to the autograd Function (``call`` returns it),
+    whose hooks do nothing. Stateful schemes subclass it.
+    """
+
+    __slots__ = ("recipe", "group", "input_q", "weight_q", "grad_q")
+
+    # Per-call attributes a stateful call may set; a stateless plan never replays.
+    replayed_weight: ClassVar[None] = None
+
+    def __init__(
+        self, recipe: Recipe, group: Any, quantizers: tuple[Quantizer, Quantizer, Quantizer]
+    ) -> None:
+        self.recipe = recipe
+        self.group = group
+        self.input_q, self.weight_q, self.grad_q = quantizers
+
+    def matches(self, frame: AutocastFrame, ts: ThreadState) -> bool:
+        """Whether this plan is still the one for ``frame`` in thread ``ts``."""
+        return frame.recipe is self.recipe and frame.group is self.group
+
+    def call(self, ts: ThreadState, autograd: bool) -> Any:
+        """The per-call object: quantizers plus hooks. Stateless: the plan itself."""
+        return self
+
+    # -- per-call hooks (no-ops when stateless) --------------------------------------------
+    def remember_weight(self, w_q: Any) -> Any:
+        """Called with the quantized weight a forward used; returns it."""
+        return w_q
+
+    def forward_done(self) -> None:
+        """Called after the forward GEMM."""
+
+    def backward_done(self) -> None:
+        """Called at the end of the module's backward."""
+
+    def calibrate(self, x: torch.Tensor, weight: torch.Tensor) -> None:
+        """A high-precision forward under ``calibrating=True``: record what state needs."""
+
+
+class Scheme:
+    """The meaning of one recipe type. Subclasses set ``family`` and ``quantizer``;
+    stateful ones override ``plan`` too."""
+
+    # The GEMM family (``tensor.FAMILIES``); None: the quantizers decide, GEMM by GEMM.
+    family: ClassVar[str | None] = None
+
+    def alignment(self, recipe: Recipe) -> int:
+        """What a layer's in and out features must be multiples of to be converted."""
+        return DEFAULT_ALIGNMENT
+
+    def quantizer(self, recipe: Recipe, role: str, group: Any = None) -> Quantizer:
+        """The quantizer for ``role`` (input, weight or grad_output); ``group`` reduces
+        activation and gradient amaxes over ranks where the scheme needs it."""
+        raise NotImplementedError
+
+    def quantizers(self, recipe: Recipe, group: Any = None) -> tuple[Quantizer, ...]:
+        """``(input, weight, grad_output)`` quantizers."""
+        return tuple(self.quantizer(recipe, role, group) for role in ROLES)
+
+    def plan(
+        self,
+        frame: AutocastFrame,
+        ts: ThreadState,
+        module_state: dict[Any, Any],
+        device: torch.device,
+    ) -> Plan:
+        """A module's plan for ``frame``; stateful schemes keep per-module state in
+        ``module_state`` (the module's, saved in its checkpoints)."""
+        return Plan(frame.recipe, frame.group, self.quantizers(frame.recipe, frame.group))
+
+    def support(self, device_type: str) -> tuple[bool, str]:
+        """Whether recipes of this scheme can run on ``device_type``, and how (or why not)."""
+        if self.family is None:
+            return True, "its quantizers decide"
+        backend, reason = gemm_backend(device_type, self.family)
+        return backend is not None, reason
+
+
+_SCHEMES: dict[type, Scheme] = {}
+
+
+def register_scheme(recipe_type: type[Recipe]) -> Any:
+    """Class decorator: the decorated Scheme gives recipes of ``recipe_type`` meaning."""
+
+    def register(cls: type[Scheme]) -> type[Scheme]:
+        if not (isinstance(recipe_type, type) and issubclass(recipe_type, Recipe)):
+            raise TypeError(f"register_scheme needs a Recipe subclass, got {recipe_type!r}")
+        if recipe_type in _SCHEMES and type(_SCHEMES[recipe_type]) is not cls:
+            raise ValueError(
+                f"{recipe_type.__name__} already has the scheme "
+                f"{type(_SCHEMES[recipe_type]).__name__}"
+            )
+        _SCHEMES[recipe_type] = cls()
+        return cls
+
+    return register
+
+
+def scheme_for(recipe: object) -> Scheme:
+    """The scheme of ``recipe``'s type; TypeError for anything that is not a recipe."""
+    scheme = _SCHEMES.get(type(recipe))
+    if scheme is not None:
+        return scheme
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a fastcast recipe, got {type(recipe).__name__}")
+    for base in type(recipe).__mro__[1:]:  # a subclass of a registered recipe
+        if base in _SCHEMES:
+            return _SCHEMES[base]
+    raise TypeError(
+        f"no scheme is registered for {type(recipe).__name__}; "
+        "decorate one with fastcast.schemes.register_scheme"
+    )
+
+
+def recipe_support(recipe: Recipe, device_type: str | None = None) -> tuple[bool, str]:
+    """Whether ``recipe`` can run on this machine (or ``device_type``), and how (or why not)."""
+    return scheme_for(recipe).support(device_type or default_device_type())
