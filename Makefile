@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BENCH_TOOLS := $(VENV)/.bench
 COMPARE := $(VENV)/.compare
 
 .PHONY: bench test lint clean
@@ -14,9 +15,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e '.[dev]'
 	touch $(STAMP)
 
+# The benchmark harness (pytest-benchmark, py-spy): the [bench] extra.
+$(BENCH_TOOLS): $(STAMP)
+	$(PY) -m pip install -e '.[bench]'
+	touch $(BENCH_TOOLS)
+
 # The peers the benchmarks compare against (torchao); optional: without them those
 # entries are skipped, so a failed install does not stop the benchmarks.
-$(COMPARE): $(STAMP)
+$(COMPARE): $(BENCH_TOOLS)
 	$(PY) -m pip install -e '.[compare]' || echo "torchao not installed: its comparisons are skipped"
 	touch $(COMPARE)
 

@@ -259,11 +259,7 @@ class QuantizedTensor:
         obj.dtype = dtype
         obj.block = tuple(ctx["block"])
         obj.block_t = tuple(ctx["block_t"])
-        obj._unflatten_extra(ctx)
         return obj
-
-    def _unflatten_extra(self, ctx: dict[str, Any]) -> None:
-        """Restore subclass metadata from the flatten context."""
 
     def __repr__(self) -> str:
         layouts = [

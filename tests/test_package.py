@@ -1,0 +1,137 @@
+"""The package's shape: no import cycles among its modules, and it ships its type marker."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import fastcast
+
+PACKAGE = Path(fastcast.__file__).parent
+
+
+def _module_name(path: Path, root: Path = PACKAGE) -> str:
+    parts = ["fastcast", *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _top_level_imports(path: Path, module: str) -> set[str]:
+    """fastcast modules that ``module`` imports when it is itself imported (imports inside
+    functions and under TYPE_CHECKING run later or never, so they cannot form a cycle)."""
+    is_package = path.name == "__init__.py"
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    body = list(ast.parse(path.read_text()).body)
+    while body:
+        node = body.pop(0)
+        if isinstance(node, ast.If) and not _is_type_checking(node):
+            body.extend(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            body.extend(node.body + node.orelse + node.finalbody)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("fastcast"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("fastcast"):
+                continue
+            found.add(target)
+            for alias in node.names:  # `from . import x` imports the submodule x
+                found.add(f"{target}.{alias.name}")
+    return found
+
+
+def _inside(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the fastcast modules its import runs first."""
+    modules = {_module_name(p, root): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges = set()
+        for target in _top_level_imports(path, name):
+            # A package the importer is inside is already being imported: no new edge.
+            if target not in modules or _inside(name, target):
+                continue
+            edges.add(target)
+            # Importing a.b.c runs the __init__ of every package on the way.
+            parts = target.split(".")
+            for i in range(1, len(parts)):
+                parent = ".".join(parts[:i])
+                if not _inside(name, parent):
+                    edges.add(parent)
+        graph[name] = edges
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    assert "fastcast.schemes.delayed" in graph and "fastcast.nn.function" in graph
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_cycle_detector_sees_a_cycle(tmp_path):
+    """The check above fails on a real cycle, also one through a package __init__."""
+    pkg = tmp_path / "fastcast"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub.b import y\nx = 1\n")
+    (pkg / "sub" / "__init__.py").write_text("from . import b\n")
+    (pkg / "sub" / "b.py").write_text("from ..a import x\ny = 2\n")
+    graph = _graph(pkg)
+    assert graph["fastcast.a"] == {"fastcast.sub", "fastcast.sub.b"}
+    assert _find_cycle(graph) is not None
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    assert _find_cycle(_graph(pkg)) is None
+
+
+def test_function_never_imports_the_module_class():
+    """The autograd Function receives what it needs; it does not reach back into Linear,
+    not even for type hints."""
+    tree = ast.parse((PACKAGE / "nn" / "function.py").read_text())
+    imported = {
+        node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module is not None
+    }
+    assert imported and not {"linear", "nn.linear", "fastcast.nn.linear"} & imported
+
+
+def test_ships_py_typed():
+    assert (PACKAGE / "py.typed").is_file()
