@@ -6,12 +6,17 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .hardware import default_device_type
+from .hardware import default_device_type, on_refresh
 from .recipe import Recipe
 from .schemes import default_recipe, scheme_for
-from .state import AutocastFrame, ThreadState, get_thread_state, thread_state
+from .state import AutocastFrame, Stack, get_stack, set_stack, thread_state
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# Recipe types that passed the support check on this machine (a cache of a fixed fact,
+# emptied when the capability answers are refreshed).
+_runnable: set[type] = set()
+on_refresh(_runnable.clear)
 
 
 class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
@@ -24,74 +29,122 @@ class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
     - ``amax_reduction_group``: a process group over which delayed-scaling amaxes (and
       current-scaling activation/gradient amaxes) are max-reduced.
 
+    Arguments after ``enabled`` are keyword-only and checked here: a wrong type is a
+    TypeError at construction. Entering raises RuntimeError if ``recipe`` cannot run on
+    this machine.
+
     Nests to any depth (the innermost wins) and restores the previous state exactly on
-    exit, exceptions included. An instance may be entered again once it has exited, but
-    not while it is active. Usable as a decorator. Per thread: other threads never see
-    it. Entering raises RuntimeError if ``recipe`` cannot run on this machine.
+    exit, exceptions included. The state is per context (``contextvars``): per thread
+    and per asyncio task, inherited by ``asyncio.to_thread`` and ``copy_context().run``,
+    never leaking back from them. An instance may be entered again once it has exited,
+    and be active in several threads or tasks at once; entering it while it is active in
+    the same context raises; exiting a level that is not the innermost raises and exits
+    the levels above it too. Usable as a decorator.
     """
 
-    # All fields are AutocastFrame's slots: entering makes this object the thread's
-    # current frame, so modules read the recipe with one attribute access.
+    # No slots of its own: entering stores nothing in the instance, so one instance can be
+    # active in several threads or tasks at once without any race.
     __slots__ = ()
 
     def __init__(
         self,
         enabled: bool = True,
+        *,
         recipe: Recipe | None = None,
         calibrating: bool = False,
         amax_reduction_group: Any = None,
     ) -> None:
+        if enabled is not True and enabled is not False:
+            raise TypeError(
+                f"fc.autocast: enabled must be a bool, got {enabled!r} (arguments after "
+                "enabled are keyword-only: fc.autocast(recipe=...))"
+            )
+        if calibrating is not False and calibrating is not True:
+            raise TypeError(f"fc.autocast: calibrating must be a bool, got {calibrating!r}")
+        if recipe is None:
+            recipe = default_recipe()
+        elif not isinstance(recipe, Recipe):
+            raise TypeError(f"fc.autocast: recipe must be a fastcast recipe, got {recipe!r}")
         self.enabled = enabled
-        self.recipe = default_recipe() if recipe is None else recipe
+        self.recipe = recipe
         self.calibrating = calibrating
         self.group = amax_reduction_group
-        self._prev = None
 
     def __enter__(self) -> autocast:
-        if self._prev is not None:
-            raise RuntimeError("this fc.autocast instance is already active; create a new one")
-        try:
-            ts = get_thread_state()
-        except LookupError:  # this thread's first autocast
-            ts = thread_state()
-        recipe = self.recipe
-        if recipe is not ts.last_good_recipe and recipe is not ts.other_good_recipe:
-            self._check_recipe(ts)
-        self._ts = ts
-        self._prev = ts.frame
-        ts.frame = self
+        below = node = get_stack()
+        if type(self.recipe) not in _runnable:
+            self._check_recipe()
+        while node is not None:  # usually one or two levels
+            if node[0] is self:
+                raise RuntimeError(
+                    "this fc.autocast instance is already active here; create a new one"
+                )
+            node = node[1]
+        set_stack((self, below))
         return self
 
-    def _check_recipe(self, ts: ThreadState) -> None:
-        # Raises for a non-recipe, or for a recipe this machine cannot run when enabled
-        # (a disabled level runs nothing). The last two recipes that passed are remembered
-        # per thread, so a loop over one recipe (or an outer and an inner one) pays an
-        # identity test, not a look-up.
+    def _check_recipe(self) -> None:
+        # A recipe type this machine cannot run raises when enabled (a disabled level
+        # runs nothing); one that can is remembered, so the next entry pays a set look-up.
         recipe = self.recipe
         ok, why = scheme_for(recipe).support(default_device_type())
-        if not ok:
-            if self.enabled:
-                raise RuntimeError(f"{type(recipe).__name__} cannot run here: {why}")
-            return
-        ts.other_good_recipe = ts.last_good_recipe
-        ts.last_good_recipe = recipe
+        if ok:
+            _runnable.add(type(recipe))
+        elif self.enabled:
+            raise RuntimeError(f"{type(recipe).__name__} cannot run here: {why}")
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        ts = self._ts
-        ts.frame = self._prev
-        # Stateful schemes (delayed scaling) decide whether this level ends the step.
+        stack = get_stack()
+        if stack[0] is self:
+            below = stack[1]
+            set_stack(below)
+        else:
+            below = self._exit_out_of_order(stack)
+        # Stateful schemes (delayed scaling) decide whether this level ends the step. The
+        # stack is already restored, so an error raised here leaves no level active.
+        ts = thread_state()
         if ts.schemes:
             for scheme_state in ts.schemes.values():
-                scheme_state.frame_exited(self, exc_type is None)
-        self._prev = None
+                scheme_state.frame_exited(self, below, exc_type is None)
+
+    def _exit_out_of_order(self, stack: Stack) -> Stack:
+        """Exit of a level that is not the innermost one: repair the stack, then raise."""
+        node = stack
+        while node is not None and node[0] is not self:
+            node = node[1]
+        if node is None:
+            raise RuntimeError(
+                "fc.autocast: exiting an autocast that is not active here (it already "
+                "exited, or it was entered in another thread, task or context)"
+            )
+        set_stack(node[1])
+        inner = []
+        while stack is not node:
+            inner.append(repr(stack[0].recipe))
+            stack = stack[1]
+        raise RuntimeError(
+            "fc.autocast exited out of order: autocasts entered after it were still "
+            f"active and have been exited with it (innermost first: {', '.join(inner)})"
+        )
 
     def __call__(self, fn: F) -> F:
         """Decorate ``fn`` so that every call runs inside a fresh autocast like this one."""
-        args = (self.enabled, self.recipe, self.calibrating, self.group)
+        kwargs = {
+            "recipe": self.recipe,
+            "calibrating": self.calibrating,
+            "amax_reduction_group": self.group,
+        }
+        enabled = self.enabled
 
         @functools.wraps(fn)
         def wrapper(*a: Any, **kw: Any) -> Any:
-            with autocast(*args):
+            with autocast(enabled, **kwargs):
                 return fn(*a, **kw)
 
         return wrapper  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return (
+            f"fc.autocast(enabled={self.enabled}, recipe={self.recipe!r}, "
+            f"calibrating={self.calibrating}, amax_reduction_group={self.group!r})"
+        )

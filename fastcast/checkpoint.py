@@ -23,7 +23,7 @@ import torch
 
 from .delayed import BACKWARD, FORWARD, ScalingMeta
 from .pickles import describe_pickle, payload_bytes, unpickle
-from .state import thread_state
+from .state import unsafe_extra_state
 from .te_state import TE_KEYS, describe_items, from_transformer_engine, hashable
 
 FORMAT = "fastcast.extra_state"
@@ -43,19 +43,22 @@ class allow_unsafe_extra_state:  # noqa: N801 - lower case like fc.autocast
     Only use it for files you trust: unpickling can execute arbitrary code. fastcast's own
     state never needs it.
 
-    The permission belongs to the thread that enters the block (another thread's block
-    unlocks nothing here). Blocks nest, the same instance may be entered again while
-    active, and each exit (exceptions included) takes back exactly what its entry gave.
+    The permission follows ``contextvars``, as ``fc.autocast`` does: it covers the code
+    run in this context while the block is open, including asyncio tasks created and
+    ``asyncio.to_thread`` / ``copy_context().run`` calls made inside it; other threads,
+    tasks created elsewhere (even while the block is suspended at an ``await``) never see
+    it. Blocks nest, the same instance may be entered again while active, and each exit
+    (exceptions included) takes back exactly what its entry gave.
     """
 
     __slots__ = ()
 
     def __enter__(self) -> allow_unsafe_extra_state:
-        thread_state().unsafe_extra_state += 1
+        unsafe_extra_state.set(unsafe_extra_state.get() + 1)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        thread_state().unsafe_extra_state -= 1
+        unsafe_extra_state.set(max(0, unsafe_extra_state.get() - 1))
 
 
 def encode_extra_state(metas: dict[int, ScalingMeta]) -> dict[str, Any] | None:
@@ -84,7 +87,7 @@ def decode_extra_state(state: Any, owner: str = "module") -> dict[int, ScalingMe
         data = payload_bytes(state)
         if not data:
             return {}
-        if thread_state().unsafe_extra_state <= 0:
+        if unsafe_extra_state.get() <= 0:
             raise ValueError(
                 f"{owner}: refusing a pickled extra state ({describe_pickle(data)}); fastcast "
                 "does not unpickle checkpoint state unless asked to. It most likely comes "

@@ -103,7 +103,16 @@ class Slab:
     collector did (there, a dead module's columns stay, holding amax 0).
     """
 
-    __slots__ = ("recipe", "group", "fmt", "history", "scale", "members", "lost_members")
+    __slots__ = (
+        "recipe",
+        "group",
+        "fmt",
+        "history",
+        "scale",
+        "members",
+        "lost_members",
+        "owner",
+    )
 
     @_normal_tensors
     def __init__(self, recipe: DelayedScaling, group: Any, fmt: str, device: torch.device):
@@ -112,6 +121,7 @@ class Slab:
         self.fmt = fmt
         self.members: list[weakref.ref[ScalingMeta]] = []
         self.lost_members = False
+        self.owner: Any = None  # the per-thread state that made it (schemes/delayed.py)
         self.history = torch.zeros(recipe.amax_history_len, 0, device=device)
         self.scale = torch.ones(0, device=device)
 

@@ -1,7 +1,14 @@
-"""The state manager: per-thread autocast frames, autocast keys, stateful schemes' slots.
+"""The state manager: autocast frames per context, stateful schemes' state per thread.
 
-Each thread has its own stack of autocast frames (a linked list through ``_prev``), so
-two threads entering different recipes never see each other's state. Whatever backward
+Autocast state follows Python's ``contextvars``, as ``decimal`` contexts do: the stack of
+active frames is an immutable linked list ``(frame, below)`` held in a context variable.
+So each thread, and each asyncio task, has its own stack; ``asyncio.to_thread`` and
+``contextvars.copy_context().run`` see the stack of the code that called them, and what
+they enter never leaks back. Generators share their caller's context: one that holds an
+autocast across a ``yield`` lends it to whatever runs until it resumes (as with
+``torch.autocast``), and exits out of order are detected and refused.
+
+What stateful schemes keep (delayed scaling's slabs) is per thread. Whatever backward
 needs is captured by the module at forward time, because autograd may run backward on
 another thread.
 """
@@ -14,7 +21,6 @@ import threading
 import weakref
 from typing import Any, Protocol
 
-from .hardware import on_refresh
 from .recipe import Recipe
 
 
@@ -24,7 +30,7 @@ class AutocastFrame:
     ``autocast`` subclasses this; ``OUTSIDE`` is the frame below every autocast.
     """
 
-    __slots__ = ("enabled", "recipe", "calibrating", "group", "_prev", "_ts", "_key")
+    __slots__ = ("enabled", "recipe", "calibrating", "group", "_key")
 
     def __init__(
         self,
@@ -37,27 +43,26 @@ class AutocastFrame:
         self.recipe = recipe
         self.calibrating = calibrating
         self.group = group
-        self._prev: AutocastFrame | None = None
 
     @property
     def active(self) -> bool:
         """Whether modules in this frame quantize or record amaxes."""
         return self.enabled or self.calibrating
 
-    def opens_step(self) -> bool:
-        """Whether this frame is the outermost active (enabled or calibrating) one.
+    def opens_step(self, below: Stack | None = None) -> bool:
+        """Whether this frame is the outermost active (enabled or calibrating) level.
 
-        Looks down the whole chain: in enabled -> disabled -> enabled, only the first
-        level opens the step. Called on exit only, by threads with delayed scaling.
+        ``below``: the stack under it (found in the current context when not given). In
+        enabled -> disabled -> enabled only the first level opens the step.
         """
         if not self.active:
             return False
-        frame = self._prev
-        while frame is not None:
-            if frame.active:
-                return False
-            frame = frame._prev
-        return True
+        if below is None:
+            node = _stack.get()
+            while node is not None and node[0] is not self:
+                node = node[1]
+            below = node[1] if node is not None else None
+        return not any(f.active for f in frames(below))
 
     def key(self) -> tuple:
         """This frame's autocast key: ``(recipe, group id)``; computed once per frame."""
@@ -70,81 +75,72 @@ class AutocastFrame:
 
 OUTSIDE = AutocastFrame(enabled=False, recipe=None)
 
+# A stack of frames: ``(innermost frame, the stack below it)``; ``None`` below the bottom.
+Stack = tuple  # tuple[AutocastFrame, "Stack | None"]
+BOTTOM: Stack = (OUTSIDE, None)
 
-class ThreadState:
-    """The state of one thread: its innermost frame, and what stateful schemes keep."""
+_stack: contextvars.ContextVar[Stack] = contextvars.ContextVar("fastcast_autocast", default=BOTTOM)
+get_stack = _stack.get
+set_stack = _stack.set
 
-    __slots__ = (
-        "frame",
-        "last_good_recipe",
-        "other_good_recipe",
-        "schemes",
-        "unsafe_extra_state",
-        "__weakref__",
-    )
 
-    def __init__(self) -> None:
-        self.frame: AutocastFrame = OUTSIDE
-        # The two recipes that last passed autocast's support check in this thread.
-        self.last_good_recipe: Recipe | None = None
-        self.other_good_recipe: Recipe | None = None
-        # One entry per stateful scheme that ran in this thread (delayed scaling: its
-        # slabs and step bookkeeping); autocast's exit notifies each. Empty for stateless
-        # recipes, so their exit pays one truth test.
-        self.schemes: dict[type, SchemeThreadState] = {}
-        # Depth of ``fc.allow_unsafe_extra_state`` blocks: above 0, a foreign pickled
-        # extra state may be unpickled in this thread (see checkpoint.py).
-        self.unsafe_extra_state = 0
+def current_frame() -> AutocastFrame:
+    """The innermost autocast frame of this context (``OUTSIDE`` when none)."""
+    return _stack.get()[0]
+
+
+def is_autocast_enabled() -> bool:
+    """Whether FP8 autocast is enabled in the current thread (task, context)."""
+    return _stack.get()[0].enabled
+
+
+def get_autocast_recipe() -> Recipe | None:
+    """The recipe of the innermost autocast; None outside any autocast."""
+    return _stack.get()[0].recipe
+
+
+# Depth of ``fc.allow_unsafe_extra_state`` blocks around the current context: above 0, a
+# foreign pickled extra state may be unpickled (checkpoint.py). Per context, like autocast.
+unsafe_extra_state: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "fastcast_unsafe_extra_state", default=0
+)
+
+
+def frames(stack: Stack | None) -> Any:
+    """The frames of ``stack``, innermost first (``OUTSIDE`` last)."""
+    while stack is not None:
+        yield stack[0]
+        stack = stack[1]
 
 
 class SchemeThreadState(Protocol):
     """What a stateful scheme keeps per thread: told when an autocast level exits."""
 
-    def frame_exited(self, frame: AutocastFrame, ok: bool) -> None: ...
+    def frame_exited(self, frame: AutocastFrame, below: Stack, ok: bool) -> None: ...
 
 
-# One ThreadState per thread, held in a context variable: every thread starts with an
-# empty context, so it gets its own object on first use, and reading a context variable
-# costs a third of a threading.local attribute. (asyncio tasks share their thread's.)
-_thread_state: contextvars.ContextVar[ThreadState] = contextvars.ContextVar("fastcast_state")
-get_thread_state = _thread_state.get  # raises LookupError before the thread's first use
+class ThreadState:
+    """What stateful schemes keep for one thread (delayed scaling: its slabs)."""
+
+    __slots__ = ("schemes", "thread", "__weakref__")
+
+    def __init__(self) -> None:
+        # One entry per stateful scheme that ran in this thread; autocast's exit notifies
+        # each. Empty for stateless recipes, so their exit pays one truth test.
+        self.schemes: dict[type, SchemeThreadState] = {}
+        self.thread = threading.current_thread()
 
 
-# Every live thread's state, so that a capability refresh can reach all threads.
-_all_thread_states: weakref.WeakSet[ThreadState] = weakref.WeakSet()
+_threads = threading.local()
 
 
 def thread_state() -> ThreadState:
     """This thread's state object, created on first use."""
     try:
-        return get_thread_state()
-    except LookupError:
-        ts = ThreadState()
-        _thread_state.set(ts)
-        _all_thread_states.add(ts)
+        return _threads.state
+    except AttributeError:
+        ts = _threads.state = ThreadState()
         return ts
-
-
-@on_refresh
-def forget_checked_recipes() -> None:
-    """Make every thread check its next recipe again (after a capability refresh)."""
-    for ts in list(_all_thread_states):
-        ts.last_good_recipe = ts.other_good_recipe = None
-
-
-def current_frame() -> AutocastFrame:
-    """The innermost autocast frame of this thread (``OUTSIDE`` when none)."""
-    return thread_state().frame
-
-
-def is_autocast_enabled() -> bool:
-    """Whether FP8 autocast is enabled in the current thread."""
-    return thread_state().frame.enabled
-
-
-def get_autocast_recipe() -> Recipe | None:
-    """The recipe of the innermost autocast of this thread; None outside any autocast."""
-    return thread_state().frame.recipe
 
 
 class _GroupIds:

@@ -50,12 +50,12 @@ def gemm_mode(request: pytest.FixtureRequest) -> Iterator[Callable[[str | None],
 
 @pytest.fixture(autouse=True)
 def _no_leaked_autocast() -> Iterator[None]:
-    before = state.current_frame()
+    before = state.get_stack()
     yield
-    after = state.current_frame()
+    after = state.get_stack()
     if after is not before:
-        state.thread_state().frame = before  # keep the following tests meaningful
-        pytest.fail(f"the test left an autocast active: {after!r}")
+        state.set_stack(before)  # keep the following tests meaningful
+        pytest.fail(f"the test left an autocast active: {after[0]!r}")
 
 
 @pytest.fixture(scope="module")

@@ -374,7 +374,7 @@ def _te_payload():
 
 
 def _allowed():
-    return fc_state.thread_state().unsafe_extra_state > 0
+    return fc_state.unsafe_extra_state.get() > 0
 
 
 def test_opt_in_nests_and_reenters():

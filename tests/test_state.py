@@ -233,25 +233,9 @@ def test_frame_key_matches_autocast_key():
 
 def test_fresh_thread_state():
     ts = ThreadState()
-    assert ts.frame is OUTSIDE
     assert ts.schemes == {}  # no stateful scheme has run in it
-    assert ts.last_good_recipe is None
-
-
-def test_claim_step_first_call_wins():
-    ts, other = ThreadState(), ThreadState()
-    mine = DelayedThreadState.of(ts)
-    assert DelayedThreadState.of(ts) is mine  # made once per thread state
-    assert mine.step_claimed is False
-    assert mine.claim_step() is True
-    assert mine.claim_step() is False
-    assert mine.claim_step() is False
-    assert mine.step_claimed is True
-    # Each thread state has its own claim.
-    assert DelayedThreadState.of(other).claim_step() is True
-    # Clearing the claim (what the end of a step does) lets the next step claim it.
-    mine.step_claimed = False
-    assert mine.claim_step() is True
+    assert ts.thread is threading.current_thread()
+    assert DelayedThreadState.of(ts) is DelayedThreadState.of(ts)  # made once per thread
 
 
 def test_outside_frame():
@@ -268,7 +252,7 @@ def test_thread_state_is_per_thread():
 
     def worker():
         ts = state.thread_state()
-        seen.append((ts, state.thread_state() is ts, ts.frame))
+        seen.append((ts, state.thread_state() is ts, state.current_frame()))
 
     threads = [threading.Thread(target=worker) for _ in range(2)]
     for t in threads:

@@ -13,8 +13,9 @@ from ..checkpoint import decode_extra_state, encode_extra_state
 from ..delayed import ScalingMeta
 from ..profiling import annotate
 from ..quantize.base import check_input
+from ..recompute import RecomputeLog, checkpoint_region
 from ..schemes import Plan, scheme_for
-from ..state import AutocastFrame, ThreadState, get_thread_state, thread_state
+from ..state import OUTSIDE, AutocastFrame, get_stack
 from .function import LinearFunction, forward_gemm
 from .weight_cache import WeightCache
 
@@ -78,44 +79,53 @@ class Linear(nn.Module):
     # -- the hot path ---------------------------------------------------------------------
     @annotate("fastcast.Linear.forward")
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        try:
-            ts = get_thread_state()
-        except LookupError:
-            ts = thread_state()
-        frame = ts.frame
+        frame = get_stack()[0]
         params = self._parameters  # direct: nn.Module.__getattr__ is a slow fallback
         weight, bias = params["weight"], params["bias"]
+        replay = record = None
+        region = checkpoint_region(frame.active)
+        if region is not None:  # activation checkpointing: record, or replay the original
+            frame, replay, record = self._checkpointed(frame, *region)
         if not frame.enabled:
-            if frame.calibrating:
-                self._calibrate(x, weight, frame, ts)
+            if frame.calibrating and replay is None:
+                self._calibrate(x, weight, frame)
             return F.linear(x, weight, bias)
 
         _check_features(x, self.in_features)
         if x.numel() == 0:  # nothing to quantize (an MoE expert without tokens, say)
             return F.linear(x, weight, bias)
-        plan = self._plan_for(frame, ts, weight)
+        plan = self._plan_for(frame, weight)
         autograd = torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
-        call = plan.call(ts, autograd)
+        call = plan.call(autograd, replay, record)
         cache = self._weight_cache
         if autograd:
             return LinearFunction.apply(x, weight, bias, call, cache, is_first_microbatch)
         return forward_gemm(x, weight, bias, call, cache, is_first_microbatch, False, False)[0]
 
-    def _plan_for(self, frame: AutocastFrame, ts: ThreadState, weight: torch.Tensor) -> Plan:
+    def _plan_for(self, frame: AutocastFrame, weight: torch.Tensor) -> Plan:
         """This module's plan for the frame's (recipe, group), rebuilt only when it changes."""
         plan = self._plan
-        if plan is None or not plan.matches(frame, ts):
+        if plan is None or not plan.matches(frame):
             scheme = scheme_for(frame.recipe)
-            plan = self._plan = scheme.plan(frame, ts, self._metas, weight.device)
+            plan = self._plan = scheme.plan(frame, self._metas, weight.device)
         return plan
 
-    def _calibrate(
-        self, x: torch.Tensor, weight: torch.Tensor, frame: AutocastFrame, ts: ThreadState
-    ) -> None:
+    def _checkpointed(
+        self, frame: AutocastFrame, log: RecomputeLog, recomputing: bool
+    ) -> tuple[AutocastFrame, Any, Any]:
+        """``(frame, replay, record)`` for a call inside a checkpointed region: the
+        recomputation runs under the original call's frame and replays its entry (a call
+        that recorded nothing ran in high precision); an original call records one."""
+        if recomputing:
+            entry = log.replay(self)
+            return (OUTSIDE, None, None) if entry is None else (entry[0], entry, None)
+        return frame, None, (log.record(self, frame) if frame.active else None)
+
+    def _calibrate(self, x: torch.Tensor, weight: torch.Tensor, frame: AutocastFrame) -> None:
         """High-precision run that lets stateful schemes record what they need."""
-        self._plan_for(frame, ts, weight).calibrate(x, weight)
+        self._plan_for(frame, weight).calibrate(x, weight)
 
     # -- state: _extra_state, device moves, pickling ------------------------------------------
     def get_extra_state(self) -> Any:

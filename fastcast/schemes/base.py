@@ -16,7 +16,7 @@ import torch
 from ..hardware import default_device_type, gemm_backend
 from ..quantize.base import ROLES, Quantizer
 from ..recipe import Recipe
-from ..state import AutocastFrame, ThreadState
+from ..state import AutocastFrame
 
 # The FP8 tensor-core kernels need both GEMM dims of a weight to be multiples of 16.
 DEFAULT_ALIGNMENT = 16
@@ -43,12 +43,18 @@ class Plan:
         self.group = group
         self.input_q, self.weight_q, self.grad_q = quantizers
 
-    def matches(self, frame: AutocastFrame, ts: ThreadState) -> bool:
-        """Whether this plan is still the one for ``frame`` in thread ``ts``."""
+    def matches(self, frame: AutocastFrame) -> bool:
+        """Whether this plan is still the one for ``frame`` (in this thread)."""
         return frame.recipe is self.recipe and frame.group is self.group
 
-    def call(self, ts: ThreadState, autograd: bool) -> Any:
-        """The per-call object: quantizers plus hooks. Stateless: the plan itself."""
+    def call(self, autograd: bool, replay: Any = None, record: Any = None) -> Any:
+        """The per-call object: quantizers plus hooks. Stateless: the plan itself.
+
+        Under activation checkpointing ``record`` is the log entry ``[frame, data]`` of an
+        original call, whose ``data`` a stateful scheme fills with what a recomputation
+        must reuse, and ``replay`` such an entry for the recomputation of that call.
+        Stateless quantization depends only on its input, so it replays by itself.
+        """
         return self
 
     # -- per-call hooks (no-ops when stateless) --------------------------------------------
@@ -87,11 +93,7 @@ class Scheme:
         return tuple(self.quantizer(recipe, role, group) for role in ROLES)
 
     def plan(
-        self,
-        frame: AutocastFrame,
-        ts: ThreadState,
-        module_state: dict[Any, Any],
-        device: torch.device,
+        self, frame: AutocastFrame, module_state: dict[Any, Any], device: torch.device
     ) -> Plan:
         """A module's plan for ``frame``; stateful schemes keep per-module state in
         ``module_state`` (the module's, saved in its checkpoints)."""

@@ -6,69 +6,49 @@ The one stateful scheme, and everything it means lives here:
   (input, weight) and backward (grad_output), whose tensors are column views into one
   ``Slab`` per (autocast key, direction, device) (``fastcast.delayed``), so an update
   costs a fixed number of tensor operations whatever the number of modules;
-- per thread (``DelayedThreadState``): the slabs, which of them recorded amaxes since
-  their last update, the step claim and the activation-recomputation replay log;
-- per call (``DelayedCall``): the quantizers, and whether this call's backward ends the
-  step's backward;
+- per thread (``DelayedThreadState``): the slabs, and which of them recorded amaxes
+  since their last update. A module's metas join one thread's slabs; using the module
+  from another live thread at the same time is refused (it would race on the slabs);
+- per call (``DelayedCall``): the quantizers; under activation checkpointing the input
+  scale and quantized weight the original call used, which its recomputation replays;
 - lifecycle: forward scales update when the outermost active autocast exits after a
-  training (grad-enabled) or calibrating forward; backward scales after the backward of
-  the step's first module, which runs last. Step k quantizes with the scales from amaxes
-  up to step k-1.
+  training (grad-enabled) or calibrating forward; backward scales when the backward pass
+  (the autograd graph task) that ran any delayed-scaling module's backward finishes,
+  whichever modules it reached. Step k quantizes with the scales from amaxes up to step
+  k-1.
 """
 
 from __future__ import annotations
 
-import collections
+import threading
 from typing import Any
 
 import torch
+from torch.autograd import Variable
 
 from ..delayed import BACKWARD, FORWARD, ScalingMeta, Slab
 from ..profiling import annotate
 from ..quantize.base import Quantizer
 from ..quantize.tensorwise import DelayedScalingQuantizer, FixedScaleQuantizer, record_amax
 from ..recipe import DelayedScaling
-from ..state import AutocastFrame, ThreadState
+from ..state import AutocastFrame, Stack, ThreadState, thread_state
 from ..tensor import TENSORWISE
 from .base import Plan, Scheme, register_scheme
-
-
-class ReplayLog:
-    """Scales (and weights) the original forward of a checkpointed region used, replayed
-    in the same order by its recomputation."""
-
-    __slots__ = ("recording", "entries", "frame")
-
-    def __init__(self) -> None:
-        self.recording = True
-        self.entries: collections.deque = collections.deque()
-        self.frame: AutocastFrame | None = None
-
-    def push(self, entry: Any) -> None:
-        self.entries.append(entry)
-
-    def pop(self) -> Any:
-        if not self.entries:
-            raise RuntimeError(
-                "activation recomputation ran more fastcast modules than the original forward"
-            )
-        return self.entries.popleft()
 
 
 class DelayedThreadState:
     """Per-thread delayed-scaling state: slabs by (autocast key, direction, device)."""
 
-    __slots__ = ("slabs", "pending", "step_claimed", "replay")
+    __slots__ = ("slabs", "pending", "thread", "backward_task", "backward_groups")
 
     def __init__(self) -> None:
         self.slabs: dict[tuple, Slab] = {}
         # Slabs with amaxes recorded since their last update, per direction.
         self.pending: tuple[set[Slab], set[Slab]] = (set(), set())
-        # The first module of a step claims it (its backward, the last to run, ends the
-        # step's backward); the outermost active autocast's exit clears the claim.
-        self.step_claimed = False
-        # Set inside an activation-checkpointed region (see fastcast.recompute).
-        self.replay: ReplayLog | None = None
+        self.thread = threading.current_thread()
+        # The backward pass whose end is already queued, and the groups it ran under.
+        self.backward_task: int | None = None
+        self.backward_groups: list[Any] = []
 
     @staticmethod
     def of(ts: ThreadState) -> DelayedThreadState:
@@ -78,28 +58,22 @@ class DelayedThreadState:
             state = ts.schemes[DelayedScalingScheme] = DelayedThreadState()
         return state
 
-    def claim_step(self) -> bool:
-        """True for exactly one caller per outermost autocast: the step's first module."""
-        if self.step_claimed:
-            return False
-        self.step_claimed = True
-        return True
-
     def slab(self, key: tuple, group: Any, direction: int, fmt: str, device: torch.device) -> Slab:
         slab_key = (key, direction, device)
         slab = self.slabs.get(slab_key)
         if slab is None:
             slab = self.slabs[slab_key] = Slab(key[0], group, fmt, device)
+            slab.owner = self
         return slab
 
     def mark(self, slab: Slab, direction: int) -> None:
         self.pending[direction].add(slab)
 
     @annotate("fastcast.amax_update")
-    def end(self, direction: int, group: Any = None) -> None:
+    def end(self, direction: int, groups: tuple[Any, ...] = ()) -> None:
         """Update the slabs of one direction that recorded amaxes since their last update.
 
-        Slabs reduced over ``group`` (the step's group) update whether they recorded or
+        Slabs reduced over one of ``groups`` (the step's) update whether they recorded or
         not: a rank that skipped every module of a slab this step must still join the
         all_reduce (its columns contribute amax 0), or the other ranks would wait
         forever. Slabs of other groups are left alone, so a step under another group (or
@@ -110,20 +84,39 @@ class DelayedThreadState:
         for (_, slab_direction, _), slab in self.slabs.items():
             if slab_direction != direction:
                 continue
-            if slab in pending or (group is not None and slab.group is group):
+            if slab in pending or (
+                slab.group is not None and any(slab.group is g for g in groups)
+            ):
                 slab.update()
         pending.clear()
 
-    def frame_exited(self, frame: AutocastFrame, ok: bool) -> None:
+    def frame_exited(self, frame: AutocastFrame, below: Stack, ok: bool) -> None:
         """An autocast level exited: the outermost active one ends the forward step.
 
         Scales move only after training (grad-enabled) or calibrating forwards that
         finished (``ok``); amaxes seen otherwise stay recorded and join the next update.
         """
-        if frame.opens_step():
-            if ok and (torch.is_grad_enabled() or frame.calibrating):
-                self.end(FORWARD, frame.group)
-            self.step_claimed = False
+        if not frame.opens_step(below):
+            return
+        if ok and (torch.is_grad_enabled() or frame.calibrating):
+            self.end(FORWARD, (frame.group,))
+
+    def backward_ran(self, group: Any) -> None:
+        """A module's backward finished: have the backward pass end the step when it is
+        over (once per pass, whichever modules it reaches)."""
+        task = torch._C._current_graph_task_id()
+        if task != self.backward_task:
+            self.backward_task = task
+            self.backward_groups = []
+            Variable._execution_engine.queue_callback(self._backward_finished)
+        if not any(group is g for g in self.backward_groups):
+            self.backward_groups.append(group)
+
+    def _backward_finished(self) -> None:
+        groups = tuple(self.backward_groups)
+        self.backward_task = None
+        self.backward_groups = []
+        self.end(BACKWARD, groups)
 
 
 class DelayedPlan(Plan):
@@ -151,15 +144,15 @@ class DelayedPlan(Plan):
         self.fwd_slab, self.bwd_slab = slabs
         self.fwd_meta, self.bwd_meta = metas
 
-    def matches(self, frame: AutocastFrame, ts: ThreadState) -> bool:
+    def matches(self, frame: AutocastFrame) -> bool:
         return (
             frame.recipe is self.recipe
             and frame.group is self.group
-            and ts.schemes.get(DelayedScalingScheme) is self.state
+            and thread_state().schemes.get(DelayedScalingScheme) is self.state
         )
 
-    def call(self, ts: ThreadState, autograd: bool) -> DelayedCall:
-        return DelayedCall(self, autograd)
+    def call(self, autograd: bool, replay: Any = None, record: Any = None) -> DelayedCall:
+        return DelayedCall(self, replay, record)
 
     def calibrate(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         record_amax(self.fwd_meta.amax_slots[0], x.detach())
@@ -168,47 +161,30 @@ class DelayedPlan(Plan):
 
 
 class DelayedCall:
-    """What one forward call decided, for its backward (which may run on another thread,
+    """What one forward call used, for its backward (which may run on another thread,
     after the autocast has exited and the scales have moved on)."""
 
-    __slots__ = (
-        "plan",
-        "input_q",
-        "weight_q",
-        "grad_q",
-        "records",
-        "ends_step",
-        "replay_entry",
-        "replayed_weight",
-    )
+    __slots__ = ("plan", "input_q", "weight_q", "grad_q", "records", "record", "replayed_weight")
 
-    def __init__(self, plan: DelayedPlan, autograd: bool) -> None:
+    def __init__(self, plan: DelayedPlan, replay: Any = None, record: Any = None) -> None:
         self.plan = plan
         self.input_q: Quantizer = plan.input_q
         self.weight_q, self.grad_q = plan.weight_q, plan.grad_q
         self.records = True
-        self.ends_step = False
-        self.replay_entry = self.replayed_weight = None
-        replay = plan.state.replay
-        if replay is not None and not replay.recording:
-            self._replay(replay.pop())
-            return
-        if replay is not None:  # a checkpointed forward: keep what the replay will need
-            self.replay_entry = [plan.fwd_meta.scale.clone(), None]
-            replay.push(self.replay_entry)
-        # Only a module whose backward will run can end the step's backward.
-        self.ends_step = autograd and plan.state.claim_step()
-
-    def _replay(self, entry: list) -> None:
-        """Under activation recomputation: the original forward's input scale and the very
-        weight it used (possibly cached from an earlier micro-batch); record nothing."""
-        scale, self.replayed_weight = entry
-        self.input_q = FixedScaleQuantizer(scale[0:1], self.plan.recipe.fp8_format.fwd)
-        self.records = False
+        self.record = record
+        self.replayed_weight = None
+        if replay is not None:
+            # A recomputation: the original call's input scale and the very weight it
+            # used (possibly cached from an earlier micro-batch); record no forward amax.
+            scale, self.replayed_weight = replay[1]
+            self.input_q = FixedScaleQuantizer(scale, plan.recipe.fp8_format.fwd)
+            self.records = False
+        elif record is not None:  # a checkpointed call: keep what its replay will need
+            record[1] = [plan.fwd_meta.scale[0:1].clone(), None]
 
     def remember_weight(self, w_q: Any) -> Any:
-        if self.replay_entry is not None:
-            self.replay_entry[1] = w_q
+        if self.record is not None:
+            self.record[1][1] = w_q
         return w_q
 
     def forward_done(self) -> None:
@@ -218,8 +194,7 @@ class DelayedCall:
     def backward_done(self) -> None:
         plan = self.plan
         plan.state.mark(plan.bwd_slab, BACKWARD)
-        if self.ends_step:
-            plan.state.end(BACKWARD, plan.group)
+        plan.state.backward_ran(plan.group)
 
 
 @register_scheme(DelayedScaling)
@@ -235,16 +210,14 @@ class DelayedScalingScheme(Scheme):
         )
 
     def plan(
-        self,
-        frame: AutocastFrame,
-        ts: ThreadState,
-        module_state: dict[Any, Any],
-        device: torch.device,
+        self, frame: AutocastFrame, module_state: dict[Any, Any], device: torch.device
     ) -> DelayedPlan:
         """Attach the module's metas (``module_state``: direction -> ScalingMeta, made
         here on first use) to this thread's slabs for the frame's key."""
         recipe = frame.recipe
-        state = DelayedThreadState.of(ts)
+        state = DelayedThreadState.of(thread_state())
+        for meta in module_state.values():
+            _refuse_concurrent_use(meta, state)
         key = frame.key()
         fmt = recipe.fp8_format
         slabs, metas = [], []
@@ -260,3 +233,16 @@ class DelayedScalingScheme(Scheme):
             slabs.append(slab)
             metas.append(meta)
         return DelayedPlan(recipe, frame.group, state, tuple(slabs), tuple(metas))
+
+
+def _refuse_concurrent_use(meta: ScalingMeta, state: DelayedThreadState) -> None:
+    """A module's metas belong to one thread's slabs at a time; taking them while that
+    thread still runs would race with its updates (and rebuild plans call after call)."""
+    owner = getattr(meta.slab, "owner", None)
+    if owner is None or owner is state or not owner.thread.is_alive():
+        return
+    raise RuntimeError(
+        f"fastcast: a DelayedScaling module is in use by thread {owner.thread.name!r}; "
+        "its amax history and scales belong to one thread at a time. Give each thread its "
+        "own copy (copy.deepcopy), or use Float8CurrentScaling, which keeps no state"
+    )
