@@ -20,7 +20,8 @@ def quantize_with_scale(
     x: torch.Tensor, scale: torch.Tensor, fmt: str, rowwise: bool, columnwise: bool
 ) -> Float8Tensor:
     """Quantize ``x`` with the per-tensor ``scale`` (FP32 scalar tensor)."""
-    data = saturating_cast(x.float() * scale if x.dtype != torch.float32 else x * scale, fmt)
+    # One FP32 temporary: a BF16/FP16 input is widened, then scaled in place.
+    data = saturating_cast(x * scale if x.dtype == torch.float32 else x.float().mul_(scale), fmt)
     # Per-tensor FP8 transposes exactly: the column-wise layout is the transposed data.
     # CUDA kernels need it materialised; the CPU kernel and the emulation take the view.
     data_t = None
