@@ -51,12 +51,60 @@ def as_matrix(x: torch.Tensor) -> torch.Tensor:
 
 
 def saturating_cast(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """FP32 values to an FP8 dtype: out-of-range values clamp to the max, NaN stays NaN.
+    """FP32 values to an FP8 dtype: finite values beyond the range saturate to +-max,
+    non-finite values stay non-finite.
 
-    ``x`` must be a temporary: it is clamped in place.
+    +-inf stays +-inf in E5M2; E4M3 (``float8_e4m3fn``) has no infinity, so there it
+    becomes NaN. NaN stays NaN. ``x`` must be a temporary (it is changed in place) whose
+    infinities are the input's own: scaling must not have overflowed FP32 (see
+    ``scale_and_cast`` for a scale that may).
     """
+    if fmt == "e4m3":
+        # inf -> NaN first, which the clamp keeps: one in-place pass, no mask.
+        x.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan)
+        return _clamp(x, fmt).to(FP8_DTYPES[fmt])
+    pos_inf, neg_inf = torch.eq(x, math.inf), torch.eq(x, -math.inf)
+    return _restore_infinities(_clamp(x, fmt).to(FP8_DTYPES[fmt]), pos_inf, neg_inf)
+
+
+def scale_and_cast(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x * scale`` (an FP32 product) to an FP8 dtype, ``x`` left untouched.
+
+    As ``saturating_cast``, except that the infinities are located in ``x`` before it is
+    scaled: a finite value whose product overflows FP32 (a large value under a stale,
+    large delayed scale) saturates like any other finite value. ``scale`` is positive
+    (every scale fastcast computes is); should it be 0 or NaN, an infinite input still
+    dequantizes to a non-finite value.
+    """
+    if fmt == "e4m3":
+        if x.dtype == torch.float32:
+            y = torch.nan_to_num(x, nan=math.nan, posinf=math.nan, neginf=math.nan)
+        else:  # widened first: one FP32 temporary, changed in place from here on
+            y = x.float().nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan)
+        return _clamp(y.mul_(scale), fmt).to(FP8_DTYPES[fmt])
+    pos_inf, neg_inf = torch.eq(x, math.inf), torch.eq(x, -math.inf)
+    y = x * scale if x.dtype == torch.float32 else x.float().mul_(scale)
+    return _restore_infinities(_clamp(y, fmt).to(FP8_DTYPES[fmt]), pos_inf, neg_inf)
+
+
+def _clamp(x: torch.Tensor, fmt: str) -> torch.Tensor:
     fmt_max = ELEMENT_MAX[fmt]
-    return x.clamp_(-fmt_max, fmt_max).to(FP8_DTYPES[fmt])
+    return x.clamp_(-fmt_max, fmt_max)
+
+
+def _restore_infinities(
+    data: torch.Tensor, pos_inf: torch.Tensor, neg_inf: torch.Tensor
+) -> torch.Tensor:
+    """E5M2 ``data`` whose input infinities were clamped to +-max: make them +-inf again.
+
+    The clamp left the max code (0x7B, 0xFB with the sign) there, and the next code up is
+    the infinity (0x7C, 0xFC), so adding the masks to the bytes restores them: two cheap
+    in-place byte passes instead of a select over FP32 values.
+    """
+    codes = data.view(torch.uint8)
+    codes += pos_inf
+    codes += neg_inf
+    return data
 
 
 def round_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:

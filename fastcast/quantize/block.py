@@ -58,6 +58,12 @@ class BlockScalingQuantizer:
     be multiples of 128: a partial tile at the right or bottom edge is scaled from its own
     elements alone.
 
+    Non-finite values stay non-finite in the data (``saturating_cast``): +-inf is +-inf in
+    E5M2 and NaN in E4M3 (which has no infinity), NaN is NaN, so each dequantizes to a
+    non-finite value. Only finite values beyond the range saturate to +-max. A tile
+    holding an inf or NaN has scale 1 (the other elements of that tile are scaled by 1);
+    every other tile is quantized as if the non-finite value were not there.
+
     Layouts:
 
     - row-wise: ``data`` shaped like the input, ``scale_inv`` ``[R, ceil(K/128)]`` (1x128)

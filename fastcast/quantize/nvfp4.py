@@ -22,10 +22,12 @@ column-wise layout is then the exact transpose of the row-wise one (a weight and
 transpose share one quantization). The 1x16 column-wise layout quantizes ``x.t()``
 along R with the same tensor scale.
 
-Non-finite inputs: E2M1 has neither NaN nor infinity. A block holding a NaN gets a NaN
-E4M3 scale and codes of +-0, so that whole block, not only the NaN element,
-dequantizes to NaN; the tensor scale then falls back to 1.0. An infinity saturates: its
-block scale clamps to 448 and the element to the code for 6 (with its sign).
+Non-finite inputs: E2M1 has neither NaN nor infinity, and the E4M3 block scale has no
+infinity. A block holding a NaN or an infinity gets a NaN E4M3 scale (its amax is not
+finite, and the scale cast turns inf into NaN rather than saturating it) and codes of
++-0, so that whole block, not only the non-finite element, dequantizes to NaN; the
+tensor scale then falls back to 1.0 (the tensor amax is not finite either). Only finite
+values beyond the range saturate: elements at the code for 6, block scales at 448.
 """
 
 from __future__ import annotations

@@ -1,4 +1,14 @@
-"""Per-tensor FP8 scaling: current (from this tensor) and delayed (from past amaxes)."""
+"""Per-tensor FP8 scaling: current (from this tensor) and delayed (from past amaxes).
+
+Non-finite values: an inf or NaN element stays non-finite in the data (``scale_and_cast``):
++-inf is +-inf in E5M2 and NaN in E4M3 (``float8_e4m3fn`` has no infinity), NaN is NaN,
+so each dequantizes to a non-finite value and overflow checks downstream
+(``torch.amp.GradScaler``) still see it. Only finite values beyond the range saturate to
++-max, those whose product with the scale overflows FP32 included (a stale delayed scale).
+The scale: current scaling falls back to 1.0 when the amax is non-finite (the other
+elements of that tensor are then scaled by 1.0); delayed scaling uses the scale from
+earlier steps, so the other elements are quantized exactly as without the inf.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +20,7 @@ import torch
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import Float8Tensor
-from .base import as_matrix, check_input, saturating_cast, scale_from_amax, tensor_amax
+from .base import as_matrix, check_input, scale_and_cast, scale_from_amax, tensor_amax
 
 WHOLE = (0, 0)  # one scale for the whole tensor
 
@@ -20,8 +30,7 @@ def quantize_with_scale(
     x: torch.Tensor, scale: torch.Tensor, fmt: str, rowwise: bool, columnwise: bool
 ) -> Float8Tensor:
     """Quantize ``x`` with the per-tensor ``scale`` (FP32 scalar tensor)."""
-    # One FP32 temporary: a BF16/FP16 input is widened, then scaled in place.
-    data = saturating_cast(x * scale if x.dtype == torch.float32 else x.float().mul_(scale), fmt)
+    data = scale_and_cast(x, scale, fmt)
     # Per-tensor FP8 transposes exactly: the column-wise layout is the transposed data.
     # CUDA kernels need it materialised; the CPU kernel and the emulation take the view.
     data_t = None
