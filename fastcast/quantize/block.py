@@ -1,4 +1,9 @@
-"""Block-scaled FP8: one FP32 scale per 1x128 or 128x128 tile of the ``[R, K]`` matrix."""
+"""Block-scaled FP8: one FP32 scale per 1x128 or 128x128 tile of the ``[R, K]`` matrix.
+
+Non-finite values stay non-finite (``BlockScalingQuantizer`` has the details): NaN is NaN,
++-inf is +-inf in E5M2 and NaN in E4M3; the tile holding one falls back to scale 1. Only
+finite values beyond the range saturate.
+"""
 
 from __future__ import annotations
 
