@@ -121,11 +121,14 @@ def nvfp4_poisoned_blocks(x: torch.Tensor, quantizer: NVFP4Quantizer, layout: st
 
 
 # -- the rule, family by family ---------------------------------------------------------------
+@pytest.mark.parametrize("contiguous", [True, False])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("family", list(FACTORIES))
-def test_fp8_non_finite_exactly_where_the_input_is(family, fmt, layout):
-    x = with_specials(sample(seed=1), SPECIALS)
+def test_fp8_non_finite_exactly_where_the_input_is(family, fmt, layout, contiguous):
+    clean = sample(seed=1) if contiguous else sample(SHAPE[::-1], seed=1).t()
+    x = with_specials(clean, SPECIALS)
+    assert x.is_contiguous() == contiguous
     q = quantize(FACTORIES[family](fmt), x, layout)
     assert_non_finite_where_the_input_is(dequantized(q), x, fmt)
     data = layout_data(q, layout).float()
@@ -259,6 +262,7 @@ def test_nvfp4_other_blocks_are_unchanged(family, layout):
     fmt=st.sampled_from(FMTS),
     layout=st.sampled_from(LAYOUTS),
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    transposed=st.booleans(),
     specials=st.lists(
         st.tuples(
             st.integers(0, SHAPE[0] - 1),
@@ -270,8 +274,13 @@ def test_nvfp4_other_blocks_are_unchanged(family, layout):
     ),
     seed=st.integers(0, 2**16),
 )
-def test_property_non_finite_stays_non_finite(family, fmt, layout, dtype, specials, seed):
-    clean = sample(seed=seed, dtype=dtype)
+def test_property_non_finite_stays_non_finite(
+    family, fmt, layout, dtype, transposed, specials, seed
+):
+    if transposed:  # a non-contiguous input of the same shape
+        clean = sample(SHAPE[::-1], seed=seed, dtype=dtype).t()
+    else:
+        clean = sample(seed=seed, dtype=dtype)
     x = with_specials(clean, {(r, c): v for r, c, v in specials})
     if family in NVFP4:
         quantizer = NVFP4[family]()

@@ -16,7 +16,7 @@ import torch
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import MXFP8Tensor
-from .base import as_matrix, check_input, saturating_cast
+from .base import as_matrix, check_input, scale_and_cast
 
 MX_BLOCK = 32
 E8M0_BIAS = 127
@@ -70,8 +70,8 @@ def quantize_blocks(m: torch.Tensor, fmt: str, rule: str) -> tuple[torch.Tensor,
     x = shared_exponent(amax, fmt, rule)
     # Multiplying by a power of two is exact until the result leaves the FP32 normal
     # range, far below the smallest FP8 subnormal, so only the FP8 cast rounds.
-    scaled = blocks * power_of_2(-x).unsqueeze(-1)
-    data = saturating_cast(scaled, fmt).reshape(rows, cols).contiguous()
+    data = scale_and_cast(blocks, power_of_2(-x).unsqueeze(-1), fmt)
+    data = data.reshape(rows, cols).contiguous()
     return data, (x + E8M0_BIAS).to(torch.uint8)
 
 

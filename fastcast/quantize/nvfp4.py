@@ -40,7 +40,7 @@ import torch
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import E2M1_VALUES, NVFP4Tensor
-from .base import FP32_MAX, as_matrix, check_input, saturating_cast, scale_from_amax
+from .base import FP32_MAX, as_matrix, check_input, scale_and_cast, scale_from_amax
 
 BLOCK = 16
 E2M1_MAX = ELEMENT_MAX["e2m1"]
@@ -109,7 +109,7 @@ def _encode(
     """
     # A divisor on the device: CUDA multiplies by the reciprocal of a CPU scalar instead.
     six = torch.full((), E2M1_MAX, dtype=torch.float32, device=block_amax.device)
-    s_dec = saturating_cast(block_amax.div(six).mul_(s_enc), "e4m3")
+    s_dec = scale_and_cast(block_amax.div(six), s_enc, "e4m3")
     s_dec_f32 = s_dec.float()
     # The per-block encode multiplier; a zero decode scale means the block encodes as 0.
     encode = torch.where(s_dec_f32 == 0, 0.0, (s_enc / s_dec_f32).clamp_max_(FP32_MAX))
