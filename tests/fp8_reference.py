@@ -1,8 +1,9 @@
 """An FP8 reference independent of fastcast (and of torch's FP8 casts), for the tests.
 
 The grids of finite values are decoded from the E4M3 / E5M2 bit layouts; rounding picks
-the nearest grid value with ties to the even code and saturates at the largest finite
-value. Everything is float64 or pure Python.
+the nearest grid value with ties to the even code and saturates finite values at the
+largest finite value. Non-finite values stay non-finite: +-inf is +-inf in E5M2 and NaN
+in E4M3 (which has no infinity). Everything is float64 or pure Python.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ GRIDS = {fmt: torch.tensor(fp8_grid(fmt), dtype=torch.float64) for fmt in FMT_MA
 
 
 def encode_fp8(v: torch.Tensor, fmt: str) -> torch.Tensor:
-    """float64 values to FP8 codes (uint8): nearest, ties to the even code, saturating.
+    """float64 values to FP8 codes (uint8): nearest, ties to the even code, finite values
+    saturating; +-inf to the E5M2 infinities (0x7C, 0xFC), to NaN in E4M3.
 
     NaN maps to 0x7F (compare NaN positions separately: torch may pick another NaN code).
     """
@@ -48,14 +50,19 @@ def encode_fp8(v: torch.Tensor, fmt: str) -> torch.Tensor:
     d_lo, d_hi = a - grid[lo], grid[hi] - a
     take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
     code = torch.where(take_hi, hi, lo)
-    code = torch.where(a >= grid[-1], len(grid) - 1, code)  # saturate (inf included)
+    code = torch.where(a >= grid[-1], len(grid) - 1, code)  # saturate finite values
+    if fmt == "e5m2":  # its infinity is the code after the largest finite value
+        code = torch.where(a == torch.inf, len(grid), code)
     code = code | torch.where(torch.signbit(v), 0x80, 0)
-    return torch.where(v.isnan(), 0x7F, code).to(torch.uint8)
+    not_a_number = v.isnan() if fmt == "e5m2" else ~v.isfinite()  # E4M3: inf is NaN
+    return torch.where(not_a_number, 0x7F, code).to(torch.uint8)
 
 
 def decode_fp8(codes: torch.Tensor, fmt: str) -> torch.Tensor:
-    """FP8 codes (no NaN among them) to float64."""
-    mag = GRIDS[fmt][(codes & 0x7F).long()]
+    """FP8 codes (no NaN among them; E5M2 infinities allowed) to float64."""
+    grid = GRIDS[fmt]
+    index = (codes & 0x7F).long()
+    mag = torch.where(index == len(grid), torch.inf, grid[index.clamp(max=len(grid) - 1)])
     return torch.where((codes & 0x80) != 0, -mag, mag)
 
 

@@ -27,12 +27,10 @@ RULES = ["ocp", "rceil"]
 
 # -- reference ---------------------------------------------------------------------------------
 def ref_exponent(block: list[float], fmt: str, rule: str) -> int:
-    """Unbiased shared exponent X of one block of 32 values."""
-    amax = max((abs(v) for v in block if not math.isnan(v)), default=0.0)
+    """Unbiased shared exponent X of one block of 32 values (non-finite ones left out)."""
+    amax = max((abs(v) for v in block if math.isfinite(v)), default=0.0)
     if amax == 0:
         return -127
-    if math.isinf(amax):
-        return 127
     if rule == "ocp":
         # floor(log2(amax)) - emax_elem; amax = m * 2**e with 0.5 <= m < 1.
         x = math.frexp(amax)[1] - 1 - EMAX_ELEM[fmt]
@@ -67,7 +65,8 @@ def ref_mx(m: torch.Tensor, fmt: str, rule: str):
 
 
 def ref_dequantized(codes: torch.Tensor, exps: list[list[int]], fmt: str) -> torch.Tensor:
-    """float64 values the codes stand for: element value * 2**X (NaN where 0x7F)."""
+    """float64 values the codes stand for: element value * 2**X (NaN where 0x7F, and
+    +-inf where the E5M2 codes are infinities)."""
     nan = codes == 0x7F
     values = decode_fp8(torch.where(nan, 0, codes), fmt).tolist()
     out = [[math.ldexp(v, exps[i][j // 32]) for j, v in enumerate(r)] for i, r in enumerate(values)]
@@ -90,11 +89,8 @@ def check_layout(data, scale_inv, m, fmt, rule):
 
 
 def check_dequantize(q: MXFP8Tensor, codes, exps, rows: int, cols: int):
-    """dequantize() equals the reference value up to FP32 rounding.
-
-    An infinite input saturates to the element max under the scale 2**127: that product
-    is beyond the FP32 range, so it dequantizes to inf again.
-    """
+    """dequantize() equals the reference value up to FP32 rounding (an infinite input
+    dequantizes to inf in E5M2 and to NaN in E4M3)."""
     expected = ref_dequantized(codes, exps, q.fmt).float().double()
     got = q.dequantize(torch.float32).reshape(rows, cols).double()
     torch.testing.assert_close(got, expected, rtol=2**-23, atol=0, equal_nan=True)
@@ -122,7 +118,7 @@ def special_blocks(fmt: str) -> list[list[float]]:
         [v * 2.0**-140 for v in ramp],  # subnormal FP32 values: X clamps at -127
         [2.0**-149, -(2.0**-149)] + [0.0] * 30,
         [3.0e38, -1.0e38] + ramp[2:],  # near the FP32 max
-        [math.inf, 1.0] + ramp[2:],  # inf: X = 127, inf saturates, the rest flush to 0
+        [math.inf, 1.0] + ramp[2:],  # inf: left out of the amax, stays non-finite
         [-math.inf, math.nan] + ramp[2:],
         [1e-3] * 32,  # a constant block
     ]
@@ -182,7 +178,16 @@ def test_special_blocks(fmt, rule):
     assert got[0] == got[1] == got[2] == 0  # zeros, negative zeros, all NaN: X = -127
     assert q.data[0, 2 * 32 : 3 * 32].float().isnan().all()
     assert q.data[0, 3 * 32].float().isnan()  # NaN elements stay NaN
-    assert got[15] == got[16] == 254  # inf: X = 127
+    # Infinities are left out of the amax: X comes from the finite elements (amax 1.0 and
+    # 15/16), and the infinities stay non-finite in the data (E4M3 has no inf: NaN).
+    assert got[15] == ref_exponent(blocks[15][1:], fmt, rule) + 127 == got[4]
+    assert got[16] == ref_exponent(blocks[16][2:], fmt, rule) + 127
+    data = q.data[0].float()
+    if fmt == "e5m2":
+        assert data[15 * 32].item() == math.inf and data[16 * 32].item() == -math.inf
+    else:
+        assert data[15 * 32].isnan() and data[16 * 32].isnan()
+    assert data[15 * 32 + 1].item() == q.data[0, 4 * 32].float().item()  # 1.0, as in block 4
 
 
 @pytest.mark.parametrize("fmt", FMTS)

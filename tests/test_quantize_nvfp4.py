@@ -80,8 +80,12 @@ def reference(matrix: torch.Tensor, tile_rows: int) -> Reference:
         s_enc = f32(torch.tensor(6 * 448 / amax, dtype=F64)).item()
     tiles = x.reshape(rows // tile_rows, tile_rows, cols // 16, 16)
     tile_amax = tiles.abs().amax(dim=(1, 3))
-    scale_bytes = nearest_even(f32(f32(tile_amax / 6) * s_enc), E4M3_GRID)
-    s_dec = E4M3_GRID[scale_bytes]
+    # E4M3 has no infinity: a tile holding one gets the NaN scale 0x7F, its elements the
+    # codes +-0, and all of it dequantizes to NaN.
+    finite = tile_amax.isfinite()
+    scale_bytes = nearest_even(f32(f32(tile_amax.nan_to_num(posinf=0.0) / 6) * s_enc), E4M3_GRID)
+    scale_bytes = torch.where(finite, scale_bytes, 0x7F)
+    s_dec = torch.where(finite, E4M3_GRID[scale_bytes.clamp(max=0x7E)], math.nan)
     safe = torch.where(s_dec == 0, 1.0, s_dec)
     encode = torch.where(s_dec == 0, 0.0, f32(s_enc / safe).clamp(max=FP32_MAX))
     scaled = f32(tiles * encode[:, None, :, None])
@@ -267,16 +271,15 @@ def test_elements_above_six_saturate():
     assert_layout(q.data, q.scale_inv, q.global_scale_inv, reference(x, 1))
 
 
-def test_infinity_saturates():
+def test_infinity_poisons_its_block():
     x = torch.tensor([[float("inf"), 1.0] + [0.0] * 14 + [float("-inf")] + [2.0] * 15])
     q = NVFP4Quantizer().quantize(x)
     assert q.global_scale_inv.item() == 1.0  # amax is not finite
-    assert e4m3_bytes(q.scale_inv).tolist() == [[0x7E, 0x7E]]  # saturated to 448
+    # E4M3 has no infinity and E2M1 neither: each block's scale is NaN, not 448
+    assert e4m3_bytes(q.scale_inv).tolist() == [[0x7F, 0x7F]]
     codes = unpack_codes(q.data)[0]
-    assert codes[0].item() == 7 and codes[16].item() == 15
-    out = q.dequantize()[0]
-    assert out[0].item() == 6 * 448 and out[16].item() == -6 * 448
-    assert torch.isfinite(out).all()
+    assert codes[0].item() == 0 and codes[16].item() == 8  # +-0: the block scale decides
+    assert q.dequantize()[0].isnan().all()
     assert_layout(q.data, q.scale_inv, q.global_scale_inv, reference(x, 1))
 
 

@@ -5,7 +5,8 @@ and rounded once to FP32: double rounding from 53 to 24 bits is innocuous for a 
 division (53 >= 2 * 24 + 2), so that is the correctly rounded FP32 quotient. The data is
 ``round_to_fp8(fp32(x * scale))``: the float64 product of two FP32 values is exact, it is
 rounded once to FP32 (what an FP32 multiply does) and then to FP8 by ``fp8_reference``
-(grids decoded from the bit layouts, nearest, ties to even, saturating).
+(grids decoded from the bit layouts, nearest, ties to even, finite values saturating, a
+finite product beyond the FP32 range included; infinities stay non-finite).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def ref_amax(x: torch.Tensor) -> float:
 def ref_codes(x: torch.Tensor, scale: float, fmt: str) -> torch.Tensor:
     """FP8 codes of ``x * scale`` (FP32 product), shaped like ``x``."""
     product = (x.double() * scale).float().double()
+    # A finite value whose FP32 product overflows is still a finite value: it saturates.
+    product = torch.where(x.isinf(), product, product.clamp(-FP32_MAX, FP32_MAX))
     return encode_fp8(product, fmt)
 
 
@@ -187,7 +190,11 @@ def test_zero_nan_and_inf_amax_give_scale_one(fmt, eps):
     inf_x = torch.tensor([math.inf, -2.0, -math.inf, 0.5])
     q = quantizer.quantize(inf_x)
     check_quantized(q, inf_x, 1.0, fmt)
-    assert q.data.float().tolist() == [FMT_MAX[fmt], -2.0, -FMT_MAX[fmt], 0.5]
+    # the infinities stay non-finite: inf in E5M2, NaN in E4M3 (which has no inf)
+    non_finite = [math.inf, -math.inf] if fmt == "e5m2" else [math.nan, math.nan]
+    torch.testing.assert_close(
+        q.data.float(), torch.tensor([non_finite[0], -2.0, non_finite[1], 0.5]), equal_nan=True
+    )
 
 
 @pytest.mark.parametrize("power_2", [False, True])
@@ -220,7 +227,10 @@ def test_saturation_with_a_too_large_scale(fmt):
         check_quantized(q, x, fmt_max * 1.5, fmt)
         got = q.data.float()
         assert got[:2].tolist() == [fmt_max, -fmt_max]  # clamped, not inf / NaN
-        assert got[5:7].tolist() == [fmt_max, -fmt_max]
+        if fmt == "e5m2":  # infinities are not clamped: inf in E5M2, NaN in E4M3
+            assert got[5:7].tolist() == [math.inf, -math.inf]
+        else:
+            assert bool(got[5:7].isnan().all())
         assert bool(got[7].isnan())
         assert got[4].item() == 0.0
     # e5m2 has infinities: a saturating cast must never produce one
@@ -382,16 +392,20 @@ def test_delayed_scaling_quantizes_and_records_amax(fmt):
     check_quantized(quantizer.quantize(x), x, 2.0, fmt)
 
 
-def test_delayed_scaling_nan_propagates_to_the_slot():
+def test_delayed_scaling_records_finite_amaxes_only():
     meta = Meta([4.0])
     quantizer = DelayedScalingQuantizer(meta, 0)
     quantizer.quantize(torch.ones(3, 4))
+    # A non-finite amax records nothing (it would freeze the scale for the whole history
+    # window); the NaN itself stays in the quantized data.
     x = torch.tensor([[1.0, math.nan], [2.0, 3.0]])
     q = quantizer.quantize(x)
-    assert math.isnan(meta.amax_slots[0].item())
+    assert meta.amax_slots[0].item() == 1.0
     check_quantized(q, x, 4.0, "e4m3")
-    quantizer.quantize(torch.full((2, 2), 1e3))  # NaN is sticky until the update handles it
-    assert math.isnan(meta.amax_slots[0].item())
+    quantizer.quantize(torch.tensor([[5.0, -math.inf]]))
+    assert meta.amax_slots[0].item() == 1.0
+    quantizer.quantize(torch.full((2, 2), 1e3))  # later finite amaxes still count
+    assert meta.amax_slots[0].item() == 1e3
 
 
 def test_delayed_scaling_slot_of_zero_dim():
@@ -408,7 +422,6 @@ def test_fixed_scale_quantizes_empty_tensors():
         )
         assert q.shape == shape and q.data.shape == shape
         assert q.dequantize().shape == shape
-
 
 
 @pytest.mark.parametrize("shape", [(0, 16), (4, 0), (2, 0, 8)])

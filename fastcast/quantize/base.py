@@ -57,13 +57,56 @@ def as_matrix(x: torch.Tensor) -> torch.Tensor:
     return x if len(shape) == 2 else x.reshape(math.prod(shape[:-1]), shape[-1])
 
 
-def saturating_cast(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """FP32 values to an FP8 dtype: out-of-range values clamp to the max, NaN stays NaN.
+def scale_and_cast(x: torch.Tensor, scale: torch.Tensor | float, fmt: str) -> torch.Tensor:
+    """``x * scale`` (an FP32 product; ``scale`` broadcasts to ``x``) as FP8 data, shaped
+    like ``x``, which is left untouched.
 
-    ``x`` must be a temporary: it is clamped in place.
+    Finite values beyond the range saturate to +-max, a finite value whose product
+    overflows FP32 included (a large value under a stale delayed scale). Non-finite values
+    stay non-finite: +-inf stays +-inf in E5M2; E4M3 (``float8_e4m3fn``) has no infinity,
+    so there it becomes NaN. NaN stays NaN. The infinities are taken from ``x``, not from
+    the product, which is what tells an input inf from an overflow. ``scale`` is positive
+    (every scale fastcast computes is); were it 0 or NaN, an infinite input would still
+    dequantize to a non-finite value.
     """
+    if fmt == "e4m3":
+        # inf -> NaN before scaling (so that an overflow can only come from a finite
+        # value), which the clamp then keeps: one in-place pass, no mask.
+        if x.dtype == torch.float32:
+            y = torch.nan_to_num(x, nan=math.nan, posinf=math.nan, neginf=math.nan)
+        else:  # widened first: one FP32 temporary, changed in place from here on
+            y = x.float().nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan)
+        return _clamp(y.mul_(scale), fmt).to(FP8_DTYPES[fmt])
+    y = x * scale if x.dtype == torch.float32 else x.float().mul_(scale)
+    data = _clamp(y, fmt).to(FP8_DTYPES[fmt])
+    # The clamp turned each input infinity into +-max: add the masks of x's infinities to
+    # the codes, one after the other in one buffer. That buffer is the bytes of y, dead
+    # after the cast, when y is laid out like x (it saves an allocation).
+    if y.shape == x.shape and y.is_contiguous() and x.is_contiguous():
+        mask = y.view(-1).view(torch.uint8)[: x.numel()].view(torch.bool).view(x.shape)
+        torch.isposinf(x, out=mask)
+    else:
+        mask = torch.isposinf(x)
+    _add_to_codes(data, mask)
+    return _add_to_codes(data, torch.isneginf(x, out=mask))
+
+
+def _clamp(x: torch.Tensor, fmt: str) -> torch.Tensor:
     fmt_max = ELEMENT_MAX[fmt]
-    return x.clamp_(-fmt_max, fmt_max).to(FP8_DTYPES[fmt])
+    return x.clamp_(-fmt_max, fmt_max)
+
+
+def _add_to_codes(data: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """E5M2 ``data``: add 1 to the byte where ``mask`` is set (an input infinity that the
+    clamp turned into +-max) and return ``data``.
+
+    The max code (0x7B, 0xFB with the sign) plus one is the infinity (0x7C, 0xFC): an
+    in-place byte pass instead of a select over FP32 values. (The masks come from
+    ``isposinf``/``isneginf``: ``isinf`` would first materialise ``abs(x)``.)
+    """
+    codes = data.view(torch.uint8)
+    codes += mask.view(torch.uint8)  # a bool mask viewed as 0/1 bytes: no conversion copy
+    return data
 
 
 def round_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,9 @@
-"""Block-scaled FP8: one FP32 scale per 1x128 or 128x128 tile of the ``[R, K]`` matrix."""
+"""Block-scaled FP8: one FP32 scale per 1x128 or 128x128 tile of the ``[R, K]`` matrix.
+
+Non-finite values stay non-finite (``BlockScalingQuantizer`` has the details): NaN is NaN,
++-inf is +-inf in E5M2 and NaN in E4M3; the tile holding one falls back to scale 1. Only
+finite values beyond the range saturate.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import torch.nn.functional as F
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import Float8Tensor
-from .base import as_matrix, check_fp8_format, check_input, saturating_cast, scale_from_amax
+from .base import as_matrix, check_fp8_format, check_input, scale_and_cast, scale_from_amax
 
 TILE = 128  # tile extent along K (and along R for 128x128 tiles)
 TILE_ROWS = {1: 1, 2: TILE}  # block_dim -> tile extent along R
@@ -38,12 +43,11 @@ def quantize_tiles(
     # max |x| per tile in FP32 (NaN if the tile holds a NaN: scale_from_amax handles it).
     amax = torch.linalg.vector_norm(tiles, ord=math.inf, dim=(1, 3), dtype=torch.float32)
     scale = scale_from_amax(amax, ELEMENT_MAX[fmt], power_2=power_2, epsilon=epsilon)
-    scaled = tiles.float() * scale[:, None, :, None]
-    scaled = scaled.reshape(n_r * tile_rows, n_k * TILE)
+    data = scale_and_cast(tiles, scale[:, None, :, None], fmt)
+    data = data.reshape(n_r * tile_rows, n_k * TILE)
     if pad_r or pad_k:
-        scaled = scaled[:rows, :cols]
-    data = saturating_cast(scaled, fmt).contiguous()
-    return data, scale.reciprocal()
+        data = data[:rows, :cols]
+    return data.contiguous(), scale.reciprocal()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +61,12 @@ class BlockScalingQuantizer:
     (without epsilon), NaN or infinite gets scale 1 (``scale_from_amax``). Shapes need not
     be multiples of 128: a partial tile at the right or bottom edge is scaled from its own
     elements alone.
+
+    Non-finite values stay non-finite in the data (``scale_and_cast``): +-inf is +-inf in
+    E5M2 and NaN in E4M3 (which has no infinity), NaN is NaN, so each dequantizes to a
+    non-finite value. Only finite values beyond the range saturate to +-max. A tile
+    holding an inf or NaN has scale 1 (the other elements of that tile are scaled by 1);
+    every other tile is quantized as if the non-finite value were not there.
 
     Layouts:
 

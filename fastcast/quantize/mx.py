@@ -1,4 +1,9 @@
-"""MXFP8 (OCP Microscaling v1.0): 32 consecutive elements share one E8M0 scale."""
+"""MXFP8 (OCP Microscaling v1.0): 32 consecutive elements share one E8M0 scale.
+
+Non-finite values stay non-finite (``MXFP8Quantizer`` has the details): NaN is NaN, +-inf
+is +-inf in E5M2 and NaN in E4M3; they are left out of their block's amax, so the rest of
+the block keeps its precision. Only finite values beyond the element max saturate.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import torch
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import MXFP8Tensor
-from .base import as_matrix, check_fp8_format, check_input, saturating_cast
+from .base import as_matrix, check_fp8_format, check_input, scale_and_cast
 
 MX_BLOCK = 32
 E8M0_BIAS = 127
@@ -31,7 +36,8 @@ def shared_exponent(amax: torch.Tensor, fmt: str, rule: str) -> torch.Tensor:
       is ``(m / mf) * 2**(e - ef)`` and ``m / mf`` lies in ``(0.5, 2)``, so X is
       ``e - ef`` plus one exactly when ``m > mf``.
 
-    amax 0 gives -127, an infinite amax 127; the result is clamped to ``[-127, 127]``.
+    amax 0 gives -127, an infinite amax 127 (``quantize_blocks`` passes finite amaxes
+    only); the result is clamped to ``[-127, 127]``.
     """
     mantissa, exponent = torch.frexp(amax)
     if rule == "ocp":
@@ -58,14 +64,14 @@ def quantize_blocks(m: torch.Tensor, fmt: str, rule: str) -> tuple[torch.Tensor,
     """
     rows, cols = m.shape
     blocks = m.reshape(rows, cols // MX_BLOCK, MX_BLOCK).float()
-    magnitude = blocks.abs()
-    # NaN elements do not take part in the amax (an all-NaN block has amax 0).
-    amax = magnitude.masked_fill_(magnitude.isnan(), 0.0).amax(dim=-1)
+    # Non-finite elements do not take part in the amax (an all-NaN block has amax 0), so
+    # an inf does not flush the rest of its block to zero; it stays non-finite in the data.
+    amax = blocks.abs().nan_to_num_(nan=0.0, posinf=0.0).amax(dim=-1)
     x = shared_exponent(amax, fmt, rule)
     # Multiplying by a power of two is exact until the result leaves the FP32 normal
     # range, far below the smallest FP8 subnormal, so only the FP8 cast rounds.
-    scaled = blocks * power_of_2(-x).unsqueeze(-1)
-    data = saturating_cast(scaled, fmt).reshape(rows, cols).contiguous()
+    data = scale_and_cast(blocks, power_of_2(-x).unsqueeze(-1), fmt)
+    data = data.reshape(rows, cols).contiguous()
     return data, (x + E8M0_BIAS).to(torch.uint8)
 
 
@@ -86,10 +92,14 @@ class MXFP8Quantizer:
       smallest power of two with ``amax / 2**X <= fmt_max``, so nothing saturates.
 
     Both compute X exactly from the bits of the amax, clamp it to ``[-127, 127]`` and store
-    the byte ``X + 127`` (255, NaN, is never produced). NaN elements are ignored for the
-    amax and stay NaN in the data; a block that is all zeros or all NaN gets X = -127. An
-    infinite element gives X = 127 and saturates to the element max, like every fastcast
-    cast.
+    the byte ``X + 127`` (255, NaN, is never produced). Finite elements beyond the element
+    max saturate to it.
+
+    Non-finite elements are left out of the amax, so the other elements of their block get
+    the X they would get if it were a zero (a block that is all zeros or all NaN gets
+    X = -127), and the non-finite elements stay non-finite in the data: NaN stays NaN,
+    +-inf stays +-inf in E5M2 and becomes NaN in E4M3, which has no infinity. Each
+    dequantizes to a non-finite value.
 
     Layouts: row-wise ``data`` shaped like the input with ``scale_inv`` ``[R, K/32]``;
     column-wise ``data_t`` ``[K, R]`` is the transposed matrix quantized along R, with its

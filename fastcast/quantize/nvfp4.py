@@ -22,10 +22,12 @@ column-wise layout is then the exact transpose of the row-wise one (a weight and
 transpose share one quantization). The 1x16 column-wise layout quantizes ``x.t()``
 along R with the same tensor scale.
 
-Non-finite inputs: E2M1 has neither NaN nor infinity. A block holding a NaN gets a NaN
-E4M3 scale and codes of +-0, so that whole block, not only the NaN element,
-dequantizes to NaN; the tensor scale then falls back to 1.0. An infinity saturates: its
-block scale clamps to 448 and the element to the code for 6 (with its sign).
+Non-finite inputs: E2M1 has neither NaN nor infinity, and the E4M3 block scale has no
+infinity. A block holding a NaN or an infinity gets a NaN E4M3 scale (its amax is not
+finite, and the scale cast turns inf into NaN rather than saturating it) and codes of
++-0, so that whole block, not only the non-finite element, dequantizes to NaN; the
+tensor scale then falls back to 1.0 (the tensor amax is not finite either). Only finite
+values beyond the range saturate: elements at the code for 6, block scales at 448.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import E2M1_VALUES, NVFP4Tensor
-from .base import FP32_MAX, as_matrix, check_input, saturating_cast, scale_from_amax
+from .base import FP32_MAX, as_matrix, check_input, scale_and_cast, scale_from_amax
 
 BLOCK = 16
 E2M1_MAX = ELEMENT_MAX["e2m1"]
@@ -107,7 +109,7 @@ def _encode(
     """
     # A divisor on the device: CUDA multiplies by the reciprocal of a CPU scalar instead.
     six = torch.full((), E2M1_MAX, dtype=torch.float32, device=block_amax.device)
-    s_dec = saturating_cast(block_amax.div(six).mul_(s_enc), "e4m3")
+    s_dec = scale_and_cast(block_amax.div(six), s_enc, "e4m3")
     s_dec_f32 = s_dec.float()
     # The per-block encode multiplier; a zero decode scale means the block encodes as 0.
     encode = torch.where(s_dec_f32 == 0, 0.0, (s_enc / s_dec_f32).clamp_max_(FP32_MAX))

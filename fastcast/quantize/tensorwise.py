@@ -1,4 +1,15 @@
-"""Per-tensor FP8 scaling: current (from this tensor) and delayed (from past amaxes)."""
+"""Per-tensor FP8 scaling: current (from this tensor) and delayed (from past amaxes).
+
+Non-finite values: an inf or NaN element stays non-finite in the data (``scale_and_cast``):
++-inf is +-inf in E5M2 and NaN in E4M3 (``float8_e4m3fn`` has no infinity), NaN is NaN,
+so each dequantizes to a non-finite value and overflow checks downstream
+(``torch.amp.GradScaler``) still see it. Only finite values beyond the range saturate to
++-max, those whose product with the scale overflows FP32 included (a stale delayed scale).
+The scale: current scaling falls back to 1.0 when the amax is non-finite (the other
+elements of that tensor are then scaled by 1.0); delayed scaling uses the scale from
+earlier steps, so the other elements are quantized exactly as without the inf, and
+``record_amax`` leaves a non-finite amax out of the history.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +25,7 @@ from .base import (
     as_matrix,
     check_fp8_format,
     check_input,
-    saturating_cast,
+    scale_and_cast,
     scale_from_amax,
     tensor_amax,
 )
@@ -27,7 +38,7 @@ def quantize_with_scale(
     x: torch.Tensor, scale: torch.Tensor, fmt: str, rowwise: bool, columnwise: bool
 ) -> Float8Tensor:
     """Quantize ``x`` with the per-tensor ``scale`` (FP32 scalar tensor)."""
-    data = saturating_cast(x.float() * scale if x.dtype != torch.float32 else x * scale, fmt)
+    data = scale_and_cast(x, scale, fmt)
     # Per-tensor FP8 transposes exactly: the column-wise layout is the transposed data.
     # CUDA kernels need it materialised; the CPU kernel and the emulation take the view.
     data_t = None
@@ -135,5 +146,15 @@ class FixedScaleQuantizer:
 
 
 def record_amax(slot: torch.Tensor, x: torch.Tensor) -> None:
-    """``slot = max(slot, amax(x))`` in place (NaN propagates, as it should)."""
-    torch.maximum(slot, tensor_amax(x).reshape(slot.shape), out=slot)
+    """``slot = max(slot, amax(x))`` in place, for a finite amax only.
+
+    A non-finite amax (``x`` holds an inf or a NaN) records nothing. Recorded, it would
+    make the max over the history window non-finite for ``amax_history_len`` updates, and
+    each of them would keep the previous scale: one overflow would freeze the scale for
+    the whole window. Nothing is lost by leaving it out: the quantized tensor keeps the
+    non-finite values, so they reach the output or the gradients, where an overflow check
+    (``torch.amp.GradScaler``) sees them and skips that step anyway.
+    """
+    # NaN and inf become 0, which never raises the slot (an amax is >= 0): no host sync.
+    amax = tensor_amax(x).nan_to_num_(nan=0.0, posinf=0.0)
+    torch.maximum(slot, amax.reshape(slot.shape), out=slot)
