@@ -1,6 +1,8 @@
 """TransformerEngine's delayed-scaling extra state, converted to fastcast's.
 
-Used only on an unpickled payload, that is inside ``fc.allow_unsafe_extra_state()``.
+Used only on an unpickled payload, that is inside ``fc.allow_unsafe_extra_state()``. The
+stand-ins below are what the restricted unpickler (``pickles.py``) gives for
+TransformerEngine's recipe classes, which TransformerEngine pickles next to the scales.
 """
 
 from __future__ import annotations
@@ -10,6 +12,73 @@ from typing import Any
 import torch
 
 from .delayed import BACKWARD, FORWARD, ScalingMeta
+
+TE_RECIPE_MODULE = "transformer_engine.common.recipe"
+# The classes of that module a TransformerEngine recipe object is pickled with: the recipes
+# themselves and the values their fields hold (the Format enum and the named tuples and
+# small dataclasses of its options). CustomRecipe is not among them: its state is a
+# user's callable, which the restricted unpickler refuses anyway.
+_TE_RECIPE_CLASSES = (
+    "Recipe",
+    "DelayedScaling",
+    "Float8CurrentScaling",
+    "Float8BlockScaling",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
+    "MXFP4QATMXFP8BlockScaling",
+    "MXFP4QATFloat8BlockScaling",
+    "Format",
+    "_FormatHelper",
+    "_OverrideLinearPrecision",
+    "QParams",
+    "MMParams",
+)
+
+
+class _ReadOnlyClass(type):
+    """A metaclass whose classes cannot be changed once made (unpickling ``BUILD`` on a
+    class object sets its attributes; a stand-in must stay what it is for later loads)."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise AttributeError(f"{cls.__module__}.{cls.__qualname__} cannot be changed")
+
+    def __delattr__(cls, name: str) -> None:
+        raise AttributeError(f"{cls.__module__}.{cls.__qualname__} cannot be changed")
+
+
+class TEStandIn(metaclass=_ReadOnlyClass):
+    """Stands in for a TransformerEngine recipe class; TransformerEngine is never imported.
+
+    The recipe object is configuration that the conversion leaves behind (fastcast's
+    recipe is whatever ``fc.autocast`` is given), so a stand-in only keeps what unpickling
+    hands it: constructor arguments and state, without looking at them. It has no
+    ``__dict__``, so unpickling cannot give an instance attributes (a ``__setstate__`` of
+    its own choosing, say); its ``__setstate__`` just stores the state.
+    """
+
+    __slots__ = ("args", "kwargs", "state")
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> TEStandIn:
+        self = object.__new__(cls)
+        self.args, self.kwargs, self.state = args, kwargs, None
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass  # the arguments were kept by __new__
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<stand-in for {type(self).__module__}.{type(self).__qualname__}>"
+
+
+TE_STAND_INS: dict[str, type] = {
+    name: _ReadOnlyClass(
+        name, (TEStandIn,), {"__module__": TE_RECIPE_MODULE, "__qualname__": name, "__slots__": ()}
+    )
+    for name in _TE_RECIPE_CLASSES
+}
 
 # Per direction: the scale key, the history key, the reciprocal-scale key, and how many
 # columns one GEMM has in TransformerEngine (forward: input, weight, output; backward:
