@@ -451,27 +451,108 @@ def test_integer_input_is_a_type_error():
             lin(torch.ones(16, 64, dtype=torch.int64))
 
 
-def test_mxfp8_in_features_not_multiple_of_32():
+def test_mxfp8_in_features_not_multiple_of_32_names_the_layer():
     lin = fc.Linear(48, 32)
     with fc.autocast(recipe=fc.MXFP8BlockScaling()):
-        with pytest.raises(ValueError, match=r"48.*32"):
+        with pytest.raises(ValueError, match=r"48.*32") as info:
+            lin(torch.randn(32, 48))
+    assert str(info.value).startswith("fc.Linear(in_features=48, out_features=32): MXFP8")
+    lin._fc_name = "blocks.3.mlp.fc1"  # what fc.convert records
+    with fc.autocast(recipe=fc.MXFP8BlockScaling()):
+        with pytest.raises(ValueError, match=r"^fc.Linear 'blocks.3.mlp.fc1' \(in_features=48"):
             lin(torch.randn(32, 48))
 
 
-def test_mxfp8_rows_not_multiple_of_32_for_backward():
+# -- token counts that are not multiples of the block -----------------------------------------
+# MXFP8 and NVFP4 quantize the weight gradient's operands in blocks along the tokens (the
+# rows R of the [R, K] view); fc.Linear pads R with zero rows to the block and slices back.
+ROW_BLOCK = {"mxfp8": 32, "mxfp8-hybrid": 32, "nvfp4": 16, "nvfp4-1d-weight": 16}
+# Leading dims of 3-D inputs: 1, 17, 33 and 100 tokens.
+TOKENS = [(1, 1), (1, 17), (3, 11), (4, 25)]
+
+
+def _padded_by_hand(lin, recipe, x, g, rows, block):
+    """Output and gradients of ``lin``'s twin run on ``x``'s rows padded with zero rows by
+    hand to a multiple of ``block``."""
+    k, n = lin.in_features, lin.out_features
+    padded = -(-rows // block) * block
+    x_p = torch.zeros(padded, k)
+    x_p[:rows] = x.detach().reshape(rows, k)
+    x_p.requires_grad_()
+    g_p = torch.zeros(padded, n)
+    g_p[:rows] = g.reshape(rows, n)
+    twin, _ = make_pair(k, n)
+    twin.load_state_dict(lin.state_dict())
+    with fc.autocast(recipe=recipe):
+        y_p = twin(x_p)
+    y_p.backward(g_p)
+    return y_p, x_p.grad, twin.weight.grad, twin.bias.grad
+
+
+@pytest.mark.parametrize("lead", TOKENS, ids=[f"R{a * b}" for a, b in TOKENS])
+@pytest.mark.parametrize("name", list(ROW_BLOCK))
+def test_token_counts_off_the_block_train_as_if_padded_by_hand(name, lead):
+    recipe, block = ALL_RECIPES[name], ROW_BLOCK[name]
+    lin, _ = make_pair(64, OUT, seed=40)
+    torch.manual_seed(41)
+    x = torch.randn(*lead, 64, requires_grad=True)
+    g = torch.randn(*lead, OUT)
+    rows = lead[0] * lead[1]
+    assert rows % block
+    with fc.autocast(recipe=recipe):
+        y = lin(x)
+    assert y.shape == (*lead, OUT) and y.dtype == torch.float32
+    y.backward(g)
+    assert x.grad.shape == x.shape
+
+    y_p, dx_p, dw_p, db_p = _padded_by_hand(lin, recipe, x, g, rows, block)
+    assert_close_to(y, y_p[:rows].reshape(y.shape))
+    assert_close_to(x.grad, dx_p[:rows].reshape(x.shape))
+    assert_close_to(lin.weight.grad, dw_p)
+    assert_close_to(lin.bias.grad, db_p)
+    # Nothing of the padded rows leaks: the output and input gradient are those of the
+    # real rows alone (row-wise quantization needs no padding), the bias gradient is the
+    # sum of the real output gradient.
+    x2d, g2d = x.detach().reshape(rows, 64), g.reshape(rows, OUT)
+    w = lin.weight.detach()
+    out = deq(fc.quantize(x2d, recipe, "input")) @ deq(fc.quantize(w, recipe, "weight")).T
+    assert_close_to(y.reshape(rows, OUT), out + lin.bias.detach().double())
+    w_t = deq(fc.quantize(w, recipe, "weight", columnwise=True).t())
+    dx = deq(fc.quantize(g2d, recipe, "grad_output")) @ w_t.T
+    assert_close_to(x.grad.reshape(rows, 64), dx)
+    torch.testing.assert_close(lin.bias.grad, g2d.sum(0))
+
+
+@_pick(["mxfp8", "nvfp4"])
+def test_padded_output_allows_in_place_ops_and_2d_and_1d_inputs(recipe):
+    lin, ref = make_pair(64, 32, seed=42)
+    for shape in [(17, 64), (64,)]:
+        x = torch.randn(shape, requires_grad=True)
+        with fc.autocast(recipe=recipe):
+            y = lin(x)
+        assert y.shape == (*shape[:-1], 32)
+        y += 1.0  # as after nn.Linear (a residual added in place, say)
+        y.relu_()
+        y.sum().backward()
+        assert x.grad.shape == x.shape and torch.isfinite(x.grad).all()
+        assert rel_err(y, (ref(x) + 1.0).relu()) < NVFP4_BOUND
+
+
+@_pick(["mxfp8", "nvfp4"])
+def test_no_padding_where_the_block_fits_or_no_weight_gradient_is_needed(recipe):
     lin = fc.Linear(64, 32)
-    x = torch.randn(2, 8, 64)  # R = 16 rows
-    with fc.autocast(recipe=fc.MXFP8BlockScaling()):
-        with pytest.raises(ValueError, match=r"R=16.*32"):
-            lin(x)  # the weight gradient needs column-wise blocks along R
-        # Forward-only, and dgrad-only (frozen weight), need no blocks along R.
+    x = torch.randn(2, 16, 64, requires_grad=True)  # 32 rows: a multiple of both blocks
+    with fc.autocast(recipe=recipe):
+        assert lin(x)._base is None  # not a slice of a padded output
+        # Forward-only, and dgrad-only (frozen weight), need no blocks along R at all.
+        x_odd = torch.randn(2, 9, 64, requires_grad=True)
         with torch.no_grad():
-            assert lin(x).shape == (2, 8, 32)
+            assert lin(x_odd)._base is None
         lin.requires_grad_(False)
-        x_grad = x.clone().requires_grad_()
-        y = lin(x_grad)
+        y = lin(x_odd)
+    assert y._base is None
     y.sum().backward()
-    assert x_grad.grad.shape == x.shape
+    assert x_odd.grad.shape == x_odd.shape
 
 
 @_pick(["current-hybrid", "delayed", "block-default", "mxfp8", "nvfp4"])

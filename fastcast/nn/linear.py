@@ -35,6 +35,9 @@ class Linear(nn.Module):
     any optimizer steps: fused optimizers leave the version counter alone).
     """
 
+    # Qualified name in the model fc.convert swapped this layer into (error messages).
+    _fc_name: str | None = None
+
     def __init__(
         self,
         in_features: int,
@@ -91,18 +94,37 @@ class Linear(nn.Module):
                 self._calibrate(x, weight, frame)
             return F.linear(x, weight, bias)
 
-        _check_features(x, self.in_features)
-        if x.numel() == 0:  # nothing to quantize (an MoE expert without tokens, say)
-            return F.linear(x, weight, bias)
-        plan = self._plan_for(frame, weight)
-        autograd = torch.is_grad_enabled() and (
-            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-        )
-        call = plan.call(autograd, replay, record)
-        cache = self._weight_cache
-        if autograd:
+        # Errors below name the layer (see _where); the try costs nothing when none is raised.
+        try:
+            _check_features(x, self.in_features)
+            if x.numel() == 0:  # nothing to quantize (an MoE expert without tokens, say)
+                return F.linear(x, weight, bias)
+            plan = self._plan_for(frame, weight)
+            autograd = torch.is_grad_enabled() and (
+                x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+            )
+            call = plan.call(autograd, replay, record)
+            cache = self._weight_cache
+            if not autograd:
+                return forward_gemm(
+                    x, weight, bias, call, cache, is_first_microbatch, False, False
+                )[0]
+            rows = x.numel() // self.in_features
+            if rows % plan.row_alignment and weight.requires_grad:
+                return _padded(
+                    x, rows, plan.row_alignment, weight, bias, call, cache, is_first_microbatch
+                )
             return LinearFunction.apply(x, weight, bias, call, cache, is_first_microbatch)
-        return forward_gemm(x, weight, bias, call, cache, is_first_microbatch, False, False)[0]
+        except (ValueError, TypeError, RuntimeError) as exc:
+            if type(exc) in _NAMED:  # subclasses (out of memory, say) pass through as they are
+                raise type(exc)(f"{self._where()}: {exc}") from exc
+            raise
+
+    def _where(self) -> str:
+        """The layer, for error messages: its name in the model fc.convert saw, if any."""
+        features = f"in_features={self.in_features}, out_features={self.out_features}"
+        name = self._fc_name
+        return f"fc.Linear {name!r} ({features})" if name else f"fc.Linear({features})"
 
     def _plan_for(self, frame: AutocastFrame, weight: torch.Tensor) -> Plan:
         """This module's plan for the frame's (recipe, group), rebuilt only when it changes."""
@@ -162,10 +184,34 @@ class Linear(nn.Module):
         self._metas = {d: ScalingMeta.from_state(s) for d, s in metas.items()}
 
 
+# Exceptions forward re-raises with the layer's name in front (exact types only).
+_NAMED = (ValueError, TypeError, RuntimeError)
+
+
 def _check_features(x: torch.Tensor, in_features: int) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != in_features:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(
-            f"fc.Linear(in_features={in_features}) expects input [..., {in_features}], got {shape}"
-        )
+        raise ValueError(f"expects input [..., {in_features}], got {shape}")
     check_input(x)
+
+
+def _padded(
+    x: torch.Tensor,
+    rows: int,
+    align: int,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    call: Any,
+    cache: WeightCache,
+    first: bool | None,
+) -> torch.Tensor:
+    """LinearFunction over ``x``'s ``[R, K]`` rows padded with zero rows to a multiple of
+    ``align`` (the column-wise blocks of the weight gradient run along R), sliced back.
+
+    Autograd does the rest: the sliced-off rows get zero gradients and the pad's backward
+    drops their input gradients; zero rows in both the input and the gradient add nothing
+    to the weight gradient, nor to the bias gradient.
+    """
+    x2d = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % align))
+    out = LinearFunction.apply(x2d, weight, bias, call, cache, first)[:rows]
+    return out.view(*x.shape[:-1], out.shape[-1])
