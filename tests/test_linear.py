@@ -374,12 +374,21 @@ def test_error_against_fp32_nn_linear_is_bounded(name):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @_pick(["current-hybrid", "mxfp8", "nvfp4"])
 def test_low_precision_input_with_fp32_weights(recipe, dtype):
-    lin, _ = make_pair(64, OUT, seed=23)
+    """nn.Linear's rule: mixed dtypes need torch.autocast; under it the output has its dtype."""
+    lin, ref = make_pair(64, OUT, seed=23)
     torch.manual_seed(24)
     x = torch.randn(2, 32, 64, dtype=dtype, requires_grad=True)
     g = torch.randn(2, 32, OUT, dtype=dtype)
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        ref(x)
     with fc.autocast(recipe=recipe):
+        with pytest.raises(RuntimeError, match="must have the same dtype") as info:
+            lin(x)
+    assert "fc.Linear(in_features=64, out_features=96)" in str(info.value)
+    assert lin.weight.grad is None and x.grad is None
+    with torch.autocast("cpu", dtype=dtype), fc.autocast(recipe=recipe):
         y = lin(x)
+        assert ref(x).dtype == dtype
     assert y.dtype == dtype
     y.backward(g)
     assert x.grad.dtype == dtype
@@ -391,6 +400,35 @@ def test_low_precision_input_with_fp32_weights(recipe, dtype):
     torch.testing.assert_close(x.grad.double(), dx, rtol=ulp, atol=1e-5 * dx.abs().max().item())
     assert_close_to(lin.weight.grad, dw)
     assert_close_to(lin.bias.grad, db)
+
+
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16], ids=["plain", "torch-autocast"])
+@pytest.mark.parametrize("b_dtype", [*FLOATS, None], ids=["b32", "b-bf16", "b16", "nobias"])
+@pytest.mark.parametrize("w_dtype", FLOATS, ids=["w32", "w-bf16", "w16"])
+@pytest.mark.parametrize("x_dtype", FLOATS, ids=["x32", "x-bf16", "x16"])
+def test_dtype_rules_are_nn_linears(x_dtype, w_dtype, b_dtype, autocast_dtype):
+    """Which dtype mixes run, and the output dtype, are exactly nn.Linear's."""
+    lin, ref = make_pair(64, 32, bias=b_dtype is not None, seed=38)
+    lin.to(w_dtype)
+    ref.to(w_dtype)
+    if b_dtype is not None:
+        lin.bias.data, ref.bias.data = lin.bias.data.to(b_dtype), ref.bias.data.to(b_dtype)
+    x = torch.randn(32, 64, dtype=x_dtype)
+    mixed = torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16)
+    with mixed if autocast_dtype else contextlib.nullcontext():
+        try:
+            expected = ref(x).dtype
+        except RuntimeError:
+            expected = None
+        with fc.autocast(recipe=fc.Float8CurrentScaling()):
+            if expected is None:
+                with pytest.raises(RuntimeError, match="must have the same dtype"):
+                    lin(x)
+            else:
+                assert lin(x).dtype == expected
 
 
 @_pick(["current-hybrid", "delayed", "block-default", "mxfp8", "nvfp4"])
@@ -593,9 +631,11 @@ def test_backward_keeps_only_quantized_operands(recipe, x_dtype):
     lin, ref = make_pair(256, 128, seed=28)
     x = torch.randn(2, 64, 256, dtype=x_dtype, requires_grad=True)
     big = min(x.numel(), lin.weight.numel())
+    # A bf16 input with FP32 weights needs torch.autocast, as for nn.Linear.
+    mixed = torch.autocast("cpu", dtype=x_dtype, enabled=x_dtype != torch.float32)
 
     def run():
-        with fc.autocast(recipe=recipe):
+        with mixed, fc.autocast(recipe=recipe):
             return lin(x)
 
     y, saved = _saved_tensors(run)

@@ -97,6 +97,8 @@ class Linear(nn.Module):
         # Errors below name the layer (see _where); the try costs nothing when none is raised.
         try:
             _check_features(x, self.in_features)
+            if x.dtype is not weight.dtype or (bias is not None and bias.dtype is not weight.dtype):
+                _check_dtypes(x, weight, bias)
             if x.numel() == 0:  # nothing to quantize (an MoE expert without tokens, say)
                 return F.linear(x, weight, bias)
             plan = self._plan_for(frame, weight)
@@ -193,6 +195,22 @@ def _check_features(x: torch.Tensor, in_features: int) -> None:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"expects input [..., {in_features}], got {shape}")
     check_input(x)
+
+
+def _check_dtypes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """nn.Linear's rule for dtypes that differ: fine under torch.autocast for the input's
+    device type (which casts them), a RuntimeError otherwise."""
+    if torch.is_autocast_enabled(x.device.type):
+        return
+    if x.dtype is not weight.dtype:
+        raise RuntimeError(
+            f"mat1 and mat2 must have the same dtype, but got {x.dtype} (input) and "
+            f"{weight.dtype} (weight), as nn.Linear requires outside torch.autocast"
+        )
+    raise RuntimeError(
+        f"bias and weight must have the same dtype, but got {bias.dtype} (bias) and "
+        f"{weight.dtype} (weight), as nn.Linear requires outside torch.autocast"
+    )
 
 
 def _padded(
