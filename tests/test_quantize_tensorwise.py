@@ -410,7 +410,6 @@ def test_fixed_scale_quantizes_empty_tensors():
         assert q.dequantize().shape == shape
 
 
-
 @pytest.mark.parametrize("shape", [(0, 16), (4, 0), (2, 0, 8)])
 def test_current_scaling_quantizes_empty_tensors(shape):
     q = CurrentScalingQuantizer().quantize(torch.empty(shape), columnwise=True)
