@@ -12,6 +12,7 @@ Everything runs on CPU (``torch._scaled_mm``'s CPU kernel or the emulation).
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import pytest
 import torch
@@ -114,6 +115,37 @@ def test_same_parameters_and_init_as_nn_linear():
     assert list(lin.state_dict()) == ["weight", "bias", "_extra_state"]
     assert lin.state_dict()["_extra_state"] is None  # nothing has run: stateless
     assert "in_features=48, out_features=20, bias=True" in repr(lin)
+
+
+def test_is_an_nn_linear_that_says_it_is_fastcasts():
+    lin = fc.Linear(32, 64)
+    assert isinstance(lin, nn.Linear) and type(lin) is not nn.Linear
+    assert repr(lin) == "fastcast.Linear(in_features=32, out_features=64, bias=True)"
+    seq = nn.Sequential(fc.Linear(32, 64, bias=False), nn.Linear(64, 8))
+    assert "(0): fastcast.Linear(in_features=32, out_features=64, bias=False)" in repr(seq)
+    assert "(1): Linear(in_features=64, out_features=8, bias=True)" in repr(seq)
+
+    def params(cls):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(cls).parameters.values()]
+
+    assert params(fc.Linear) == params(nn.Linear)  # same constructor, annotations aside
+
+
+def test_isinstance_based_initialisation_reaches_it():
+    """What a Hugging Face ``_init_weights`` does, applied to a model with fc.Linear layers."""
+
+    def init_weights(module):
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_(mean=0.0, std=0.02)
+            if module.bias is not None:
+                module.bias.data.zero_()
+
+    torch.manual_seed(43)
+    model = nn.Sequential(fc.Linear(64, 64), nn.ReLU(), fc.Linear(64, 32))
+    model.apply(init_weights)
+    for lin in (model[0], model[2]):
+        assert torch.equal(lin.bias, torch.zeros_like(lin.bias))
+        assert lin.weight.std().item() == pytest.approx(0.02, rel=0.2)
 
 
 def test_no_bias_device_and_dtype_arguments():

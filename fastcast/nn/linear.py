@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -20,14 +19,27 @@ from .function import LinearFunction, forward_gemm
 from .weight_cache import WeightCache
 
 
-class Linear(nn.Module):
-    """Drop-in for ``nn.Linear``: same parameters and state-dict keys, plus
+class Linear(nn.Linear):
+    """Drop-in for ``nn.Linear``: same constructor, parameters and state-dict keys, plus
     ``_extra_state`` (delayed-scaling amax histories and scales, as plain tensors).
 
     Outside ``fc.autocast`` (or with ``enabled=False``) it computes exactly what
     ``nn.Linear`` does. Inside, forward, dgrad and wgrad GEMMs take quantized operands
     (``recipe`` decides the formats); the bias is added in FP32, and the output has the
-    input's dtype, or ``torch.autocast``'s when that is active too.
+    input's dtype, or ``torch.autocast``'s when that is active too. Dtypes follow
+    ``nn.Linear``'s rules: input, weight and bias must share one unless ``torch.autocast``
+    is on for the input's device. Any number of tokens (leading dims) works: where a
+    recipe's backward needs the token count to be a multiple of its block (32 for MXFP8,
+    16 for NVFP4), the input is padded with zero rows, and the padding never reaches the
+    output or the gradients. Errors raised in a quantized forward name the layer (its
+    qualified name when ``fc.convert`` made it).
+
+    It subclasses ``nn.Linear``, as torchao's ``Float8Linear`` does, so that code testing
+    ``isinstance(m, nn.Linear)`` (weight initialisation in Hugging Face models, PEFT/LoRA
+    wrapping, parallelisation plans) keeps treating it as a linear layer; code that tests
+    ``type(m) is nn.Linear`` (``fc.convert`` itself) does not. Code that reads ``m.weight``
+    and calls ``F.linear`` itself, as ``nn.MultiheadAttention`` does with its output
+    projection, bypasses the quantized GEMMs, as it would bypass any ``forward``.
 
     ``forward(x, is_first_microbatch=None)``: ``True`` quantizes the weight and keeps
     it, ``False`` reuses the kept one for the following micro-batches of the step; the
@@ -46,17 +58,9 @@ class Linear(nn.Module):
         device: Any = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        factory = {"device": device, "dtype": dtype}
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, **factory))
-        else:
-            self.register_parameter("bias", None)
+        # nn.Linear's parameters and initialisation (reset_parameters), then our runtime.
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._init_runtime()
-        self.reset_parameters()
 
     def _init_runtime(self) -> None:
         # Runtime-only state: rebuilt after pickling, never part of the state dict.
@@ -65,19 +69,9 @@ class Linear(nn.Module):
         # Per-module state of stateful schemes (delayed scaling: direction -> ScalingMeta).
         self._metas: dict[int, ScalingMeta] = {}
 
-    def reset_parameters(self) -> None:
-        """The initialisation ``nn.Linear`` uses."""
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            fan_in = self.in_features
-            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
-            nn.init.uniform_(self.bias, -bound, bound)
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}"
-        )
+    def _get_name(self) -> str:
+        # What repr prints: fastcast.Linear(in_features=.., out_features=.., bias=..).
+        return "fastcast.Linear"
 
     # -- the hot path ---------------------------------------------------------------------
     @annotate("fastcast.Linear.forward")
