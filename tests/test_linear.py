@@ -608,6 +608,29 @@ def test_padded_output_allows_in_place_ops_and_2d_and_1d_inputs(recipe):
         assert rel_err(y, (ref(x) + 1.0).relu()) < NVFP4_BOUND
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+@_pick(["mxfp8", "nvfp4"])
+def test_padded_tokens_under_activation_checkpointing_match_a_plain_step(recipe, reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(44)
+    model = fc.convert(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32)))
+    x = torch.randn(3, 7, 64)  # 21 tokens
+
+    def step(use_checkpoint):
+        for p in model.parameters():
+            p.grad = None
+        x_in = x.clone().requires_grad_()
+        with fc.autocast(recipe=recipe):
+            y = checkpoint(model, x_in, use_reentrant=reentrant) if use_checkpoint else model(x_in)
+        y.pow(2).sum().backward()
+        return [y.detach(), x_in.grad] + [p.grad for p in model.parameters()]
+
+    plain, ckpt = step(False), step(True)
+    for a, b in zip(plain, ckpt):
+        assert torch.equal(a, b)
+
+
 @_pick(["mxfp8", "nvfp4"])
 def test_no_padding_where_the_block_fits_or_no_weight_gradient_is_needed(recipe):
     lin = fc.Linear(64, 32)
