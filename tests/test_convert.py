@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import copy
 import functools
+import logging
 
 import pytest
 import torch
@@ -246,6 +247,102 @@ def test_buffers_registered_on_a_linear_survive():
     fc.convert(seq)
     assert isinstance(seq[0], fc.Linear)
     assert keys <= set(seq.state_dict())
+
+
+# -- what convert tells: names, the log ----------------------------------------------------
+def _records(caplog, level):
+    return [r.getMessage() for r in caplog.records if r.name == "fastcast" and r.levelno == level]
+
+
+def test_logs_one_info_summary_and_a_debug_line_per_layer(caplog):
+    caplog.set_level(logging.DEBUG, logger="fastcast")
+    fc.convert(Net())
+    (summary,) = _records(caplog, logging.INFO)
+    assert summary == (
+        "fastcast.convert: converted 6 nn.Linear layer(s) to fastcast.Linear; skipped 2: "
+        "blocks.0.odd (out_features=40 not a multiple of 16), "
+        "blocks.1.odd (out_features=40 not a multiple of 16)"
+    )
+    debug = _records(caplog, logging.DEBUG)
+    assert len(debug) == 8  # one per layer
+    assert "fastcast.convert: blocks.0.proj (in_features=64, out_features=128): converted" in debug
+    assert (
+        "fastcast.convert: blocks.1.odd (in_features=64, out_features=40): "
+        "kept, out_features=40 not a multiple of 16"
+    ) in debug
+
+
+def test_log_gives_every_reason_for_keeping_a_layer(caplog):
+    caplog.set_level(logging.INFO, logger="fastcast")
+    mha = nn.MultiheadAttention(64, 4, batch_first=True)
+    model = nn.ModuleDict(
+        {
+            "mha": mha,
+            "odd": nn.Linear(40, 24),
+            "a": nn.Linear(64, 64),
+            "b": nn.Linear(64, 48),
+            "done": fc.Linear(64, 64),
+        }
+    )
+    fc.convert(model, lambda m, fqn: fqn != "a", recipe=fc.MXFP8BlockScaling())
+    (summary,) = _records(caplog, logging.INFO)
+    assert summary == (
+        "fastcast.convert: converted 0 nn.Linear layer(s) to fastcast.Linear; skipped 4: "
+        "odd (in_features=40 and out_features=24 not multiples of 32), "
+        "a (module_filter_fn returned False), "
+        "b (out_features=48 not a multiple of 32), "
+        "mha.out_proj (NonDynamicallyQuantizableLinear is a subclass of nn.Linear); "
+        "1 already fastcast.Linear"
+    )
+
+
+def test_log_summary_names_ten_skipped_layers_and_counts_the_rest(caplog):
+    caplog.set_level(logging.INFO, logger="fastcast")
+    fc.convert(nn.Sequential(*[nn.Linear(8, 8) for _ in range(13)], nn.Linear(16, 16)))
+    (summary,) = _records(caplog, logging.INFO)
+    assert summary.startswith(
+        "fastcast.convert: converted 1 nn.Linear layer(s) to fastcast.Linear; skipped 13: "
+        "0 (in_features=8 and out_features=8 not multiples of 16), "
+    )
+    assert "9 (in_features=8" in summary and "10 (" not in summary
+    assert summary.endswith(", and 3 more (DEBUG lists them)")
+
+
+def test_nothing_below_info_is_logged_by_default_and_a_bare_linear_is_logged(caplog):
+    caplog.set_level(logging.INFO, logger="fastcast")
+    fc.convert(nn.Linear(32, 32))
+    assert _records(caplog, logging.INFO) == [
+        "fastcast.convert: converted 1 nn.Linear layer(s) to fastcast.Linear; skipped 0"
+    ]
+    assert _records(caplog, logging.DEBUG) == []
+
+
+def test_converted_layers_know_their_names_and_errors_quote_them():
+    net = fc.convert(Net())  # heads.b (64 -> 48) is 16-aligned, not 32-aligned
+    assert net.heads["b"]._fc_name == "heads.b"
+    assert net.blocks[1].proj._fc_name == "blocks.1.proj"
+    assert fc.convert(nn.Linear(32, 32))._fc_name is None  # no name: shapes in errors
+    x = torch.randn(2, 8, 64)
+    with fc.autocast(recipe=fc.MXFP8BlockScaling()):
+        with pytest.raises(ValueError, match="MXFP8") as info:
+            net(x)
+    assert str(info.value).startswith(
+        "fc.Linear 'heads.b' (in_features=64, out_features=48): MXFP8"
+    )
+
+
+def test_a_shared_linear_is_named_and_logged_once(caplog):
+    caplog.set_level(logging.DEBUG, logger="fastcast")
+    lin = nn.Linear(32, 32)
+    odd = nn.Linear(32, 8)
+    seq = nn.Sequential(lin, odd, nn.ReLU(), lin, odd)
+    fc.convert(seq)
+    assert seq[0] is seq[3] and seq[0]._fc_name == "0"
+    assert len(_records(caplog, logging.DEBUG)) == 2
+    assert _records(caplog, logging.INFO)[0].endswith(
+        "converted 1 nn.Linear layer(s) to fastcast.Linear; skipped 1: "
+        "1 (out_features=8 not a multiple of 16)"
+    )
 
 
 # -- end-to-end convergence ----------------------------------------------------------------

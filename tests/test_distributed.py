@@ -75,8 +75,7 @@ def spawn(section: str, out_dir: Path) -> list[dict[str, Any]]:
     if any(codes):
         pytest.fail(f"{section}: worker exit codes {codes}{errors}")
     return [
-        torch.load(out_dir / f"{section}_rank{rank}.pt", weights_only=True)
-        for rank in range(WORLD)
+        torch.load(out_dir / f"{section}_rank{rank}.pt", weights_only=True) for rank in range(WORLD)
     ]
 
 

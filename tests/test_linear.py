@@ -12,6 +12,7 @@ Everything runs on CPU (``torch._scaled_mm``'s CPU kernel or the emulation).
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import pytest
 import torch
@@ -114,6 +115,37 @@ def test_same_parameters_and_init_as_nn_linear():
     assert list(lin.state_dict()) == ["weight", "bias", "_extra_state"]
     assert lin.state_dict()["_extra_state"] is None  # nothing has run: stateless
     assert "in_features=48, out_features=20, bias=True" in repr(lin)
+
+
+def test_is_an_nn_linear_that_says_it_is_fastcasts():
+    lin = fc.Linear(32, 64)
+    assert isinstance(lin, nn.Linear) and type(lin) is not nn.Linear
+    assert repr(lin) == "fastcast.Linear(in_features=32, out_features=64, bias=True)"
+    seq = nn.Sequential(fc.Linear(32, 64, bias=False), nn.Linear(64, 8))
+    assert "(0): fastcast.Linear(in_features=32, out_features=64, bias=False)" in repr(seq)
+    assert "(1): Linear(in_features=64, out_features=8, bias=True)" in repr(seq)
+
+    def params(cls):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(cls).parameters.values()]
+
+    assert params(fc.Linear) == params(nn.Linear)  # same constructor, annotations aside
+
+
+def test_isinstance_based_initialisation_reaches_it():
+    """What a Hugging Face ``_init_weights`` does, applied to a model with fc.Linear layers."""
+
+    def init_weights(module):
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_(mean=0.0, std=0.02)
+            if module.bias is not None:
+                module.bias.data.zero_()
+
+    torch.manual_seed(43)
+    model = nn.Sequential(fc.Linear(64, 64), nn.ReLU(), fc.Linear(64, 32))
+    model.apply(init_weights)
+    for lin in (model[0], model[2]):
+        assert torch.equal(lin.bias, torch.zeros_like(lin.bias))
+        assert lin.weight.std().item() == pytest.approx(0.02, rel=0.2)
 
 
 def test_no_bias_device_and_dtype_arguments():
@@ -374,12 +406,21 @@ def test_error_against_fp32_nn_linear_is_bounded(name):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @_pick(["current-hybrid", "mxfp8", "nvfp4"])
 def test_low_precision_input_with_fp32_weights(recipe, dtype):
-    lin, _ = make_pair(64, OUT, seed=23)
+    """nn.Linear's rule: mixed dtypes need torch.autocast; under it the output has its dtype."""
+    lin, ref = make_pair(64, OUT, seed=23)
     torch.manual_seed(24)
     x = torch.randn(2, 32, 64, dtype=dtype, requires_grad=True)
     g = torch.randn(2, 32, OUT, dtype=dtype)
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        ref(x)
     with fc.autocast(recipe=recipe):
+        with pytest.raises(RuntimeError, match="must have the same dtype") as info:
+            lin(x)
+    assert "fc.Linear(in_features=64, out_features=96)" in str(info.value)
+    assert lin.weight.grad is None and x.grad is None
+    with torch.autocast("cpu", dtype=dtype), fc.autocast(recipe=recipe):
         y = lin(x)
+        assert ref(x).dtype == dtype
     assert y.dtype == dtype
     y.backward(g)
     assert x.grad.dtype == dtype
@@ -391,6 +432,35 @@ def test_low_precision_input_with_fp32_weights(recipe, dtype):
     torch.testing.assert_close(x.grad.double(), dx, rtol=ulp, atol=1e-5 * dx.abs().max().item())
     assert_close_to(lin.weight.grad, dw)
     assert_close_to(lin.bias.grad, db)
+
+
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16], ids=["plain", "torch-autocast"])
+@pytest.mark.parametrize("b_dtype", [*FLOATS, None], ids=["b32", "b-bf16", "b16", "nobias"])
+@pytest.mark.parametrize("w_dtype", FLOATS, ids=["w32", "w-bf16", "w16"])
+@pytest.mark.parametrize("x_dtype", FLOATS, ids=["x32", "x-bf16", "x16"])
+def test_dtype_rules_are_nn_linears(x_dtype, w_dtype, b_dtype, autocast_dtype):
+    """Which dtype mixes run, and the output dtype, are exactly nn.Linear's."""
+    lin, ref = make_pair(64, 32, bias=b_dtype is not None, seed=38)
+    lin.to(w_dtype)
+    ref.to(w_dtype)
+    if b_dtype is not None:
+        lin.bias.data, ref.bias.data = lin.bias.data.to(b_dtype), ref.bias.data.to(b_dtype)
+    x = torch.randn(32, 64, dtype=x_dtype)
+    mixed = torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16)
+    with mixed if autocast_dtype else contextlib.nullcontext():
+        try:
+            expected = ref(x).dtype
+        except RuntimeError:
+            expected = None
+        with fc.autocast(recipe=fc.Float8CurrentScaling()):
+            if expected is None:
+                with pytest.raises(RuntimeError, match="must have the same dtype"):
+                    lin(x)
+            else:
+                assert lin(x).dtype == expected
 
 
 @_pick(["current-hybrid", "delayed", "block-default", "mxfp8", "nvfp4"])
@@ -451,27 +521,131 @@ def test_integer_input_is_a_type_error():
             lin(torch.ones(16, 64, dtype=torch.int64))
 
 
-def test_mxfp8_in_features_not_multiple_of_32():
+def test_mxfp8_in_features_not_multiple_of_32_names_the_layer():
     lin = fc.Linear(48, 32)
     with fc.autocast(recipe=fc.MXFP8BlockScaling()):
-        with pytest.raises(ValueError, match=r"48.*32"):
+        with pytest.raises(ValueError, match=r"48.*32") as info:
+            lin(torch.randn(32, 48))
+    assert str(info.value).startswith("fc.Linear(in_features=48, out_features=32): MXFP8")
+    lin._fc_name = "blocks.3.mlp.fc1"  # what fc.convert records
+    with fc.autocast(recipe=fc.MXFP8BlockScaling()):
+        with pytest.raises(ValueError, match=r"^fc.Linear 'blocks.3.mlp.fc1' \(in_features=48"):
             lin(torch.randn(32, 48))
 
 
-def test_mxfp8_rows_not_multiple_of_32_for_backward():
+# -- token counts that are not multiples of the block -----------------------------------------
+# MXFP8 and NVFP4 quantize the weight gradient's operands in blocks along the tokens (the
+# rows R of the [R, K] view); fc.Linear pads R with zero rows to the block and slices back.
+ROW_BLOCK = {"mxfp8": 32, "mxfp8-hybrid": 32, "nvfp4": 16, "nvfp4-1d-weight": 16}
+# Leading dims of 3-D inputs: 1, 17, 33 and 100 tokens.
+TOKENS = [(1, 1), (1, 17), (3, 11), (4, 25)]
+
+
+def _padded_by_hand(lin, recipe, x, g, rows, block):
+    """Output and gradients of ``lin``'s twin run on ``x``'s rows padded with zero rows by
+    hand to a multiple of ``block``."""
+    k, n = lin.in_features, lin.out_features
+    padded = -(-rows // block) * block
+    x_p = torch.zeros(padded, k)
+    x_p[:rows] = x.detach().reshape(rows, k)
+    x_p.requires_grad_()
+    g_p = torch.zeros(padded, n)
+    g_p[:rows] = g.reshape(rows, n)
+    twin, _ = make_pair(k, n)
+    twin.load_state_dict(lin.state_dict())
+    with fc.autocast(recipe=recipe):
+        y_p = twin(x_p)
+    y_p.backward(g_p)
+    return y_p, x_p.grad, twin.weight.grad, twin.bias.grad
+
+
+@pytest.mark.parametrize("lead", TOKENS, ids=[f"R{a * b}" for a, b in TOKENS])
+@pytest.mark.parametrize("name", list(ROW_BLOCK))
+def test_token_counts_off_the_block_train_as_if_padded_by_hand(name, lead):
+    recipe, block = ALL_RECIPES[name], ROW_BLOCK[name]
+    lin, _ = make_pair(64, OUT, seed=40)
+    torch.manual_seed(41)
+    x = torch.randn(*lead, 64, requires_grad=True)
+    g = torch.randn(*lead, OUT)
+    rows = lead[0] * lead[1]
+    assert rows % block
+    with fc.autocast(recipe=recipe):
+        y = lin(x)
+    assert y.shape == (*lead, OUT) and y.dtype == torch.float32
+    y.backward(g)
+    assert x.grad.shape == x.shape
+
+    y_p, dx_p, dw_p, db_p = _padded_by_hand(lin, recipe, x, g, rows, block)
+    assert_close_to(y, y_p[:rows].reshape(y.shape))
+    assert_close_to(x.grad, dx_p[:rows].reshape(x.shape))
+    assert_close_to(lin.weight.grad, dw_p)
+    assert_close_to(lin.bias.grad, db_p)
+    # Nothing of the padded rows leaks: the output and input gradient are those of the
+    # real rows alone (row-wise quantization needs no padding), the bias gradient is the
+    # sum of the real output gradient.
+    x2d, g2d = x.detach().reshape(rows, 64), g.reshape(rows, OUT)
+    w = lin.weight.detach()
+    out = deq(fc.quantize(x2d, recipe, "input")) @ deq(fc.quantize(w, recipe, "weight")).T
+    assert_close_to(y.reshape(rows, OUT), out + lin.bias.detach().double())
+    w_t = deq(fc.quantize(w, recipe, "weight", columnwise=True).t())
+    dx = deq(fc.quantize(g2d, recipe, "grad_output")) @ w_t.T
+    assert_close_to(x.grad.reshape(rows, 64), dx)
+    torch.testing.assert_close(lin.bias.grad, g2d.sum(0))
+
+
+@_pick(["mxfp8", "nvfp4"])
+def test_padded_output_allows_in_place_ops_and_2d_and_1d_inputs(recipe):
+    lin, ref = make_pair(64, 32, seed=42)
+    for shape in [(17, 64), (64,)]:
+        x = torch.randn(shape, requires_grad=True)
+        with fc.autocast(recipe=recipe):
+            y = lin(x)
+        assert y.shape == (*shape[:-1], 32)
+        y += 1.0  # as after nn.Linear (a residual added in place, say)
+        y.relu_()
+        y.sum().backward()
+        assert x.grad.shape == x.shape and torch.isfinite(x.grad).all()
+        assert rel_err(y, (ref(x) + 1.0).relu()) < NVFP4_BOUND
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+@_pick(["mxfp8", "nvfp4"])
+def test_padded_tokens_under_activation_checkpointing_match_a_plain_step(recipe, reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(44)
+    model = fc.convert(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32)))
+    x = torch.randn(3, 7, 64)  # 21 tokens
+
+    def step(use_checkpoint):
+        for p in model.parameters():
+            p.grad = None
+        x_in = x.clone().requires_grad_()
+        with fc.autocast(recipe=recipe):
+            y = checkpoint(model, x_in, use_reentrant=reentrant) if use_checkpoint else model(x_in)
+        y.pow(2).sum().backward()
+        return [y.detach(), x_in.grad] + [p.grad for p in model.parameters()]
+
+    plain, ckpt = step(False), step(True)
+    for a, b in zip(plain, ckpt):
+        assert torch.equal(a, b)
+
+
+@_pick(["mxfp8", "nvfp4"])
+def test_no_padding_where_the_block_fits_or_no_weight_gradient_is_needed(recipe):
     lin = fc.Linear(64, 32)
-    x = torch.randn(2, 8, 64)  # R = 16 rows
-    with fc.autocast(recipe=fc.MXFP8BlockScaling()):
-        with pytest.raises(ValueError, match=r"R=16.*32"):
-            lin(x)  # the weight gradient needs column-wise blocks along R
-        # Forward-only, and dgrad-only (frozen weight), need no blocks along R.
+    x = torch.randn(2, 16, 64, requires_grad=True)  # 32 rows: a multiple of both blocks
+    with fc.autocast(recipe=recipe):
+        assert lin(x)._base is None  # not a slice of a padded output
+        # Forward-only, and dgrad-only (frozen weight), need no blocks along R at all.
+        x_odd = torch.randn(2, 9, 64, requires_grad=True)
         with torch.no_grad():
-            assert lin(x).shape == (2, 8, 32)
+            assert lin(x_odd)._base is None
         lin.requires_grad_(False)
-        x_grad = x.clone().requires_grad_()
-        y = lin(x_grad)
+        y = lin(x_odd)
+    assert y._base is None
     y.sum().backward()
-    assert x_grad.grad.shape == x.shape
+    assert x_odd.grad.shape == x_odd.shape
 
 
 @_pick(["current-hybrid", "delayed", "block-default", "mxfp8", "nvfp4"])
@@ -512,9 +686,11 @@ def test_backward_keeps_only_quantized_operands(recipe, x_dtype):
     lin, ref = make_pair(256, 128, seed=28)
     x = torch.randn(2, 64, 256, dtype=x_dtype, requires_grad=True)
     big = min(x.numel(), lin.weight.numel())
+    # A bf16 input with FP32 weights needs torch.autocast, as for nn.Linear.
+    mixed = torch.autocast("cpu", dtype=x_dtype, enabled=x_dtype != torch.float32)
 
     def run():
-        with fc.autocast(recipe=recipe):
+        with mixed, fc.autocast(recipe=recipe):
             return lin(x)
 
     y, saved = _saved_tensors(run)

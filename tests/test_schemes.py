@@ -72,6 +72,20 @@ def test_every_builtin_recipe_has_its_scheme():
     schemes = [scheme_for(r) for r in recipes]
     assert len({type(s) for s in schemes}) == len(recipes)
     assert [s.alignment(r) for s, r in zip(schemes, recipes)] == [16, 16, 16, 32, 16, 16]
+    # Token counts: only the column-wise MX and NVFP4 blocks run along them.
+    assert [s.row_alignment(r) for s, r in zip(schemes, recipes)] == [1, 1, 1, 32, 16, 1]
+
+
+@pytest.mark.parametrize(
+    "recipe, rows",
+    [(fc.Float8CurrentScaling(), 1), (fc.MXFP8BlockScaling(), 32), (fc.NVFP4BlockScaling(), 16)],
+)
+def test_plan_carries_the_row_alignment_of_its_scheme(recipe, rows):
+    lin = fc.Linear(64, 32)
+    with fc.autocast(recipe=recipe):
+        lin(torch.randn(32, 64))
+    assert lin._plan.row_alignment == rows
+    assert StaticScheme().row_alignment(StaticScaling()) == 1  # the default
 
 
 def test_toy_recipe_trains_through_linear_like_a_builtin_one():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from torch import nn
@@ -9,6 +10,11 @@ from torch import nn
 from ..recipe import Recipe
 from ..schemes import DEFAULT_ALIGNMENT, scheme_for
 from .linear import Linear
+
+logger = logging.getLogger("fastcast")
+
+# Skipped layers the INFO summary names; DEBUG has a line for every layer.
+_NAMED_IN_SUMMARY = 10
 
 
 def convert(
@@ -22,43 +28,113 @@ def convert(
 
     ``module_filter_fn(linear, fully_qualified_name)`` returning False keeps a layer.
     Layers whose features are not multiples of the recipe's block (32 for MXFP8, 16
-    otherwise) are kept as they are, since their GEMMs could not run quantized.
+    otherwise) are kept as they are, since their GEMMs could not run quantized; so are
+    subclasses of ``nn.Linear`` (their ``forward`` may differ), ``fc.Linear`` included.
     A bare ``nn.Linear`` passed as ``module`` is converted and returned.
+
+    Each converted layer records its qualified name (``_fc_name``), which its errors
+    quote. The ``fastcast`` logger gets one INFO line (how many layers were converted,
+    which were skipped and why) and a DEBUG line per layer.
     """
     align = DEFAULT_ALIGNMENT if recipe is None else scheme_for(recipe).alignment(recipe)
 
-    def eligible(child: nn.Module, name: str) -> bool:
-        if type(child) is not nn.Linear:  # subclasses may override forward: leave them
-            return False
-        if child.in_features % align or child.out_features % align:
-            return False
-        return module_filter_fn is None or module_filter_fn(child, name)
+    def kept_because(layer: nn.Linear, name: str) -> str | None:
+        """Why ``layer`` stays as it is, or None to convert it."""
+        if type(layer) is not nn.Linear:  # subclasses may override forward: leave them
+            if isinstance(layer, Linear):
+                return "already fastcast.Linear"
+            return f"{type(layer).__name__} is a subclass of nn.Linear"
+        features = {"in_features": layer.in_features, "out_features": layer.out_features}
+        off = [f"{what}={n}" for what, n in features.items() if n % align]
+        if off:
+            multiple = "a multiple" if len(off) == 1 else "multiples"
+            return f"{' and '.join(off)} not {multiple} of {align}"
+        if module_filter_fn is not None and not module_filter_fn(layer, name):
+            return "module_filter_fn returned False"
+        return None
 
-    if eligible(module, ""):
-        return _swap(module)
+    report = _Report()
     # One replacement per layer object: a layer registered under two parents (weight
     # tying, shared blocks) stays one module with one set of scales.
     swapped: dict[int, Linear] = {}
+    seen: set[int] = set()
+    if isinstance(module, nn.Linear):
+        seen.add(id(module))
+        why = kept_because(module, "")
+        report.add("", module, why)
+        if why is None:
+            report.log()
+            return _swap(module, "")
     for name, parent in list(module.named_modules(remove_duplicate=False)):
         # _modules, not named_children(), which would hide the second entry of a layer.
         for child_name, child in list(parent._modules.items()):
-            if child is None:
+            if not isinstance(child, nn.Linear):
                 continue
-            full = f"{name}.{child_name}" if name else child_name
             if id(child) in swapped:
                 setattr(parent, child_name, swapped[id(child)])
-            elif eligible(child, full):
-                swapped[id(child)] = _swap(child)
+                continue
+            if id(child) in seen:  # a kept layer met again under another name
+                continue
+            seen.add(id(child))
+            full = f"{name}.{child_name}" if name else child_name
+            why = kept_because(child, full)
+            report.add(full, child, why)
+            if why is None:
+                swapped[id(child)] = _swap(child, full)
                 setattr(parent, child_name, swapped[id(child)])
+    report.log()
     return module
 
 
-def _swap(linear: nn.Linear) -> Linear:
+def _swap(linear: nn.Linear, name: str) -> Linear:
     """An fc.Linear with everything the layer had: the same Parameter objects, buffers,
-    hooks, training flag and any attribute a user set on it."""
+    hooks, training flag and any attribute a user set on it; and its qualified name."""
     new = Linear.__new__(Linear)
     # The very containers, not copies: hook handles the user holds keep working (they
     # remove from the dict they were registered in). The old layer is being replaced.
     new.__dict__.update(linear.__dict__)
     new._init_runtime()
+    if name:
+        new._fc_name = name
     return new
+
+
+class _Report:
+    """What convert did, for the ``fastcast`` logger."""
+
+    def __init__(self) -> None:
+        self.converted = 0
+        self.already = 0
+        self.skipped: list[str] = []
+
+    def add(self, name: str, layer: nn.Linear, why: str | None) -> None:
+        shown = name or "<root>"
+        if why is None:
+            self.converted += 1
+        elif isinstance(layer, Linear):
+            self.already += 1
+        else:
+            self.skipped.append(f"{shown} ({why})")
+        logger.debug(
+            "fastcast.convert: %s (in_features=%d, out_features=%d): %s",
+            shown,
+            layer.in_features,
+            layer.out_features,
+            "converted" if why is None else f"kept, {why}",
+        )
+
+    def log(self) -> None:
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        line = (
+            f"fastcast.convert: converted {self.converted} nn.Linear layer(s) to "
+            f"fastcast.Linear; skipped {len(self.skipped)}"
+        )
+        if self.skipped:
+            named = self.skipped[:_NAMED_IN_SUMMARY]
+            line += ": " + ", ".join(named)
+            if len(self.skipped) > len(named):
+                line += f", and {len(self.skipped) - len(named)} more (DEBUG lists them)"
+        if self.already:
+            line += f"; {self.already} already fastcast.Linear"
+        logger.info(line)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -20,20 +19,36 @@ from .function import LinearFunction, forward_gemm
 from .weight_cache import WeightCache
 
 
-class Linear(nn.Module):
-    """Drop-in for ``nn.Linear``: same parameters and state-dict keys, plus
+class Linear(nn.Linear):
+    """Drop-in for ``nn.Linear``: same constructor, parameters and state-dict keys, plus
     ``_extra_state`` (delayed-scaling amax histories and scales, as plain tensors).
 
     Outside ``fc.autocast`` (or with ``enabled=False``) it computes exactly what
     ``nn.Linear`` does. Inside, forward, dgrad and wgrad GEMMs take quantized operands
     (``recipe`` decides the formats); the bias is added in FP32, and the output has the
-    input's dtype, or ``torch.autocast``'s when that is active too.
+    input's dtype, or ``torch.autocast``'s when that is active too. Dtypes follow
+    ``nn.Linear``'s rules: input, weight and bias must share one unless ``torch.autocast``
+    is on for the input's device. Any number of tokens (leading dims) works: where a
+    recipe's backward needs the token count to be a multiple of its block (32 for MXFP8,
+    16 for NVFP4), the input is padded with zero rows, and the padding never reaches the
+    output or the gradients. Errors raised in a quantized forward name the layer (its
+    qualified name when ``fc.convert`` made it).
+
+    It subclasses ``nn.Linear``, as torchao's ``Float8Linear`` does, so that code testing
+    ``isinstance(m, nn.Linear)`` (weight initialisation in Hugging Face models, PEFT/LoRA
+    wrapping, parallelisation plans) keeps treating it as a linear layer; code that tests
+    ``type(m) is nn.Linear`` (``fc.convert`` itself) does not. Code that reads ``m.weight``
+    and calls ``F.linear`` itself, as ``nn.MultiheadAttention`` does with its output
+    projection, bypasses the quantized GEMMs, as it would bypass any ``forward``.
 
     ``forward(x, is_first_microbatch=None)``: ``True`` quantizes the weight and keeps
     it, ``False`` reuses the kept one for the following micro-batches of the step; the
     kept weight is dropped as soon as the weight changes (its version counter moves, or
     any optimizer steps: fused optimizers leave the version counter alone).
     """
+
+    # Qualified name in the model fc.convert swapped this layer into (error messages).
+    _fc_name: str | None = None
 
     def __init__(
         self,
@@ -43,17 +58,9 @@ class Linear(nn.Module):
         device: Any = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        factory = {"device": device, "dtype": dtype}
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, **factory))
-        else:
-            self.register_parameter("bias", None)
+        # nn.Linear's parameters and initialisation (reset_parameters), then our runtime.
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._init_runtime()
-        self.reset_parameters()
 
     def _init_runtime(self) -> None:
         # Runtime-only state: rebuilt after pickling, never part of the state dict.
@@ -62,19 +69,9 @@ class Linear(nn.Module):
         # Per-module state of stateful schemes (delayed scaling: direction -> ScalingMeta).
         self._metas: dict[int, ScalingMeta] = {}
 
-    def reset_parameters(self) -> None:
-        """The initialisation ``nn.Linear`` uses."""
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            fan_in = self.in_features
-            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
-            nn.init.uniform_(self.bias, -bound, bound)
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}"
-        )
+    def _get_name(self) -> str:
+        # What repr prints: fastcast.Linear(in_features=.., out_features=.., bias=..).
+        return "fastcast.Linear"
 
     # -- the hot path ---------------------------------------------------------------------
     @annotate("fastcast.Linear.forward")
@@ -91,18 +88,39 @@ class Linear(nn.Module):
                 self._calibrate(x, weight, frame)
             return F.linear(x, weight, bias)
 
-        _check_features(x, self.in_features)
-        if x.numel() == 0:  # nothing to quantize (an MoE expert without tokens, say)
-            return F.linear(x, weight, bias)
-        plan = self._plan_for(frame, weight)
-        autograd = torch.is_grad_enabled() and (
-            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-        )
-        call = plan.call(autograd, replay, record)
-        cache = self._weight_cache
-        if autograd:
+        # Errors below name the layer (see _where); the try costs nothing when none is raised.
+        try:
+            _check_features(x, self.in_features)
+            if x.dtype is not weight.dtype or (bias is not None and bias.dtype is not weight.dtype):
+                _check_dtypes(x, weight, bias)
+            if x.numel() == 0:  # nothing to quantize (an MoE expert without tokens, say)
+                return F.linear(x, weight, bias)
+            plan = self._plan_for(frame, weight)
+            autograd = torch.is_grad_enabled() and (
+                x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+            )
+            call = plan.call(autograd, replay, record)
+            cache = self._weight_cache
+            if not autograd:
+                return forward_gemm(
+                    x, weight, bias, call, cache, is_first_microbatch, False, False
+                )[0]
+            rows = x.numel() // self.in_features
+            if rows % plan.row_alignment and weight.requires_grad:
+                return _padded(
+                    x, rows, plan.row_alignment, weight, bias, call, cache, is_first_microbatch
+                )
             return LinearFunction.apply(x, weight, bias, call, cache, is_first_microbatch)
-        return forward_gemm(x, weight, bias, call, cache, is_first_microbatch, False, False)[0]
+        except (ValueError, TypeError, RuntimeError) as exc:
+            if type(exc) in _NAMED:  # subclasses (out of memory, say) pass through as they are
+                raise type(exc)(f"{self._where()}: {exc}") from exc
+            raise
+
+    def _where(self) -> str:
+        """The layer, for error messages: its name in the model fc.convert saw, if any."""
+        features = f"in_features={self.in_features}, out_features={self.out_features}"
+        name = self._fc_name
+        return f"fc.Linear {name!r} ({features})" if name else f"fc.Linear({features})"
 
     def _plan_for(self, frame: AutocastFrame, weight: torch.Tensor) -> Plan:
         """This module's plan for the frame's (recipe, group), rebuilt only when it changes."""
@@ -162,10 +180,50 @@ class Linear(nn.Module):
         self._metas = {d: ScalingMeta.from_state(s) for d, s in metas.items()}
 
 
+# Exceptions forward re-raises with the layer's name in front (exact types only).
+_NAMED = (ValueError, TypeError, RuntimeError)
+
+
 def _check_features(x: torch.Tensor, in_features: int) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != in_features:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(
-            f"fc.Linear(in_features={in_features}) expects input [..., {in_features}], got {shape}"
-        )
+        raise ValueError(f"expects input [..., {in_features}], got {shape}")
     check_input(x)
+
+
+def _check_dtypes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """nn.Linear's rule for dtypes that differ: fine under torch.autocast for the input's
+    device type (which casts them), a RuntimeError otherwise."""
+    if torch.is_autocast_enabled(x.device.type):
+        return
+    if x.dtype is not weight.dtype:
+        raise RuntimeError(
+            f"mat1 and mat2 must have the same dtype, but got {x.dtype} (input) and "
+            f"{weight.dtype} (weight), as nn.Linear requires outside torch.autocast"
+        )
+    raise RuntimeError(
+        f"bias and weight must have the same dtype, but got {bias.dtype} (bias) and "
+        f"{weight.dtype} (weight), as nn.Linear requires outside torch.autocast"
+    )
+
+
+def _padded(
+    x: torch.Tensor,
+    rows: int,
+    align: int,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    call: Any,
+    cache: WeightCache,
+    first: bool | None,
+) -> torch.Tensor:
+    """LinearFunction over ``x``'s ``[R, K]`` rows padded with zero rows to a multiple of
+    ``align`` (the column-wise blocks of the weight gradient run along R), sliced back.
+
+    Autograd does the rest: the sliced-off rows get zero gradients and the pad's backward
+    drops their input gradients; zero rows in both the input and the gradient add nothing
+    to the weight gradient, nor to the bias gradient.
+    """
+    x2d = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % align))
+    out = LinearFunction.apply(x2d, weight, bias, call, cache, first)[:rows]
+    return out.view(*x.shape[:-1], out.shape[-1])

@@ -31,17 +31,23 @@ class Plan:
     whose hooks do nothing. Stateful schemes subclass it.
     """
 
-    __slots__ = ("recipe", "group", "input_q", "weight_q", "grad_q")
+    __slots__ = ("recipe", "group", "input_q", "weight_q", "grad_q", "row_alignment")
 
     # Per-call attributes a stateful call may set; a stateless plan never replays.
     replayed_weight: ClassVar[None] = None
 
     def __init__(
-        self, recipe: Recipe, group: Any, quantizers: tuple[Quantizer, Quantizer, Quantizer]
+        self,
+        recipe: Recipe,
+        group: Any,
+        quantizers: tuple[Quantizer, Quantizer, Quantizer],
+        row_alignment: int = 1,
     ) -> None:
         self.recipe = recipe
         self.group = group
         self.input_q, self.weight_q, self.grad_q = quantizers
+        # Scheme.row_alignment: what the module pads the input's token count to.
+        self.row_alignment = row_alignment
 
     def matches(self, frame: AutocastFrame) -> bool:
         """Whether this plan is still the one for ``frame`` (in this thread)."""
@@ -83,6 +89,12 @@ class Scheme:
         """What a layer's in and out features must be multiples of to be converted."""
         return DEFAULT_ALIGNMENT
 
+    def row_alignment(self, recipe: Recipe) -> int:
+        """What the row count of a layer's ``[R, K]`` input (the product of its leading
+        dims, the tokens) must be a multiple of for the backward GEMMs' column-wise
+        layouts; ``fc.Linear`` pads the input with zero rows up to it. 1: any count."""
+        return 1
+
     def quantizer(self, recipe: Recipe, role: str, group: Any = None) -> Quantizer:
         """The quantizer for ``role`` (input, weight or grad_output); ``group`` reduces
         activation and gradient amaxes over ranks where the scheme needs it."""
@@ -97,7 +109,9 @@ class Scheme:
     ) -> Plan:
         """A module's plan for ``frame``; stateful schemes keep per-module state in
         ``module_state`` (the module's, saved in its checkpoints)."""
-        return Plan(frame.recipe, frame.group, self.quantizers(frame.recipe, frame.group))
+        recipe = frame.recipe
+        quantizers = self.quantizers(recipe, frame.group)
+        return Plan(recipe, frame.group, quantizers, self.row_alignment(recipe))
 
     def support(self, device_type: str) -> tuple[bool, str]:
         """Whether recipes of this scheme can run on ``device_type``, and how (or why not)."""

@@ -19,5 +19,9 @@ class MXFP8Scheme(Scheme):
     def alignment(self, recipe: MXFP8BlockScaling) -> int:
         return MX_BLOCK
 
+    def row_alignment(self, recipe: MXFP8BlockScaling) -> int:
+        # Column-wise blocks (the weight gradient's operands) run along the tokens.
+        return MX_BLOCK
+
     def quantizer(self, recipe: MXFP8BlockScaling, role: str, group: Any = None) -> MXFP8Quantizer:
         return MXFP8Quantizer(fmt=recipe.fp8_format.for_role(role))

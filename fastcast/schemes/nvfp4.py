@@ -21,6 +21,10 @@ class NVFP4Scheme(Scheme):
     def alignment(self, recipe: NVFP4BlockScaling) -> int:
         return BLOCK
 
+    def row_alignment(self, recipe: NVFP4BlockScaling) -> int:
+        # Column-wise blocks (the weight gradient's operands) run along the tokens.
+        return BLOCK
+
     def quantizer(self, recipe: NVFP4BlockScaling, role: str, group: Any = None) -> NVFP4Quantizer:
         return NVFP4Quantizer(
             block_2d=role == "weight" and recipe.weight_2d_blocks,
