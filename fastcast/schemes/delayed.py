@@ -84,9 +84,7 @@ class DelayedThreadState:
         for (_, slab_direction, _), slab in self.slabs.items():
             if slab_direction != direction:
                 continue
-            if slab in pending or (
-                slab.group is not None and any(slab.group is g for g in groups)
-            ):
+            if slab in pending or (slab.group is not None and any(slab.group is g for g in groups)):
                 slab.update()
         pending.clear()
 
