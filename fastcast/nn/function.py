@@ -34,7 +34,11 @@ def forward_gemm(
     """
     x_q = call.input_q.quantize(x, rowwise=True, columnwise=need_wgrad)
     w_q = call.replayed_weight
-    if w_q is None:
+    if w_q is not None and need_dgrad and not w_q.has_columnwise:
+        # A recomputation needs a layout the original (no-grad) call did not make: quantize
+        # again, with the replaying call's quantizer (the original scale), bypassing the cache.
+        w_q = call.weight_q.quantize(weight, rowwise=True, columnwise=True)
+    elif w_q is None:
         w_q = weight_cache.quantize(weight, call.weight_q, first, columnwise=need_dgrad)
         w_q = call.remember_weight(w_q)
     out = scaled_mm(x_q, w_q, out_dtype=_output_dtype(x), bias=bias)

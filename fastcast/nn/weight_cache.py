@@ -13,14 +13,17 @@ from ..tensor import QuantizedTensor
 
 class WeightCache:
     """``is_first_microbatch=True`` quantizes the weight and keeps it; ``False`` reuses
-    it while it is still what quantizing the weight would give: same weight version, no
-    optimizer step since (fused optimizers leave the version counter alone), the same
-    quantizer, and the layouts asked for."""
+    it while it is still what quantizing the weight would give: same weight version and
+    storage (``weight.data = other`` replaces the storage), no optimizer step since (fused
+    optimizers leave the version counter alone), the same quantizer, and the layouts
+    asked for. Writes through ``weight.data`` in place (``weight.data.copy_(...)``) move
+    no version counter and cannot be seen cheaply: pass ``is_first_microbatch=True`` after
+    them."""
 
     __slots__ = ("entry",)
 
     def __init__(self) -> None:
-        self.entry: tuple[QuantizedTensor, tuple[int, int], Quantizer] | None = None
+        self.entry: tuple[QuantizedTensor, tuple[int, int, int], Quantizer] | None = None
 
     def clear(self) -> None:
         self.entry = None
@@ -37,7 +40,7 @@ class WeightCache:
         if first is False and entry is not None:
             w_q, version, cached_by = entry
             if (
-                version == (weight._version, optimizer_steps())
+                version == (weight._version, weight.data_ptr(), optimizer_steps())
                 and cached_by is quantizer
                 and (w_q.has_columnwise or not columnwise)
             ):
@@ -46,5 +49,6 @@ class WeightCache:
         if first is None:
             self.entry = None
         else:
-            self.entry = (w_q, (weight._version, optimizer_steps(install=True)), quantizer)
+            version = (weight._version, weight.data_ptr(), optimizer_steps(install=True))
+            self.entry = (w_q, version, quantizer)
         return w_q

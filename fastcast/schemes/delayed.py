@@ -80,13 +80,14 @@ class DelayedThreadState:
         none) issues no collective of theirs. Slabs are visited in creation order, the
         same on every rank.
         """
-        pending = self.pending[direction]
+        # Taken first: an update that raises must not leave these to raise again forever.
+        pending = set(self.pending[direction])
+        self.pending[direction].clear()
         for (_, slab_direction, _), slab in self.slabs.items():
             if slab_direction != direction:
                 continue
             if slab in pending or (slab.group is not None and any(slab.group is g for g in groups)):
                 slab.update()
-        pending.clear()
 
     def frame_exited(self, frame: AutocastFrame, below: Stack, ok: bool) -> None:
         """An autocast level exited: the outermost active one ends the forward step.
@@ -96,15 +97,23 @@ class DelayedThreadState:
         """
         if not frame.opens_step(below):
             return
+        # A pass whose end is still pending when the next forward step ends failed before
+        # its callbacks ran: forget it, so that the next pass queues its own end.
+        self.backward_task = None
         if ok and (torch.is_grad_enabled() or frame.calibrating):
             self.end(FORWARD, (frame.group,))
 
     def backward_ran(self, group: Any) -> None:
-        """A module's backward finished: have the backward pass end the step when it is
-        over (once per pass, whichever modules it reaches)."""
-        task = torch._C._current_graph_task_id()
-        if task != self.backward_task:
-            self.backward_task = task
+        """A module's backward is running (or, under a reentrant checkpoint, about to run
+        in a nested pass): have the backward pass end the step when it is over, once per
+        pass, whichever modules it reaches.
+
+        The end is queued on the first pass that asks while none is pending; a nested pass
+        (a reentrant checkpoint's recomputation backward) finds the outer one's end pending
+        and adds to it, so scales move once, after the outermost pass.
+        """
+        if self.backward_task is None:
+            self.backward_task = torch._C._current_graph_task_id()
             self.backward_groups = []
             Variable._execution_engine.queue_callback(self._backward_finished)
         if not any(group is g for g in self.backward_groups):
@@ -175,10 +184,16 @@ class DelayedCall:
             # A recomputation: the original call's input scale and the very weight it
             # used (possibly cached from an earlier micro-batch); record no forward amax.
             scale, self.replayed_weight = replay[1]
-            self.input_q = FixedScaleQuantizer(scale, plan.recipe.fp8_format.fwd)
+            fmt = plan.recipe.fp8_format.fwd
+            self.input_q = FixedScaleQuantizer(scale[0:1], fmt)
+            self.weight_q = FixedScaleQuantizer(scale[1:2], fmt)
             self.records = False
+            if torch._C._current_graph_task_id() != -1:
+                # Recomputed inside the outer backward (reentrant checkpoint): its own
+                # backward is a nested pass; the outer pass must end the step.
+                plan.state.backward_ran(plan.group)
         elif record is not None:  # a checkpointed call: keep what its replay will need
-            record[1] = [plan.fwd_meta.scale[0:1].clone(), None]
+            record[1] = [plan.fwd_meta.scale.clone(), None]
 
     def remember_weight(self, w_q: Any) -> Any:
         if self.record is not None:
