@@ -5,7 +5,7 @@ Each test builds N ``fc.Linear(16, 16)`` modules and runs one forward of each un
 pending), which gives their forward amax histories columns in one slab of the thread's
 delayed-scaling registry. The timed function is only the forward update, as the
 outermost autocast's exit runs it: mark the forward slab pending, then
-``registry.end(FORWARD)`` (reduce nothing without a process group, compute the new
+``DelayedThreadState.end(FORWARD)`` (reduce nothing without a process group, compute the new
 scales from the amax window, roll the history).
 
 Each test runs on a registry of its own (the thread's registry is swapped out and put
@@ -29,7 +29,8 @@ import torch
 
 import fastcast as fc
 from fastcast.delayed import FORWARD
-from fastcast.state import ThreadState, thread_state
+from fastcast.schemes.delayed import DelayedScalingScheme, DelayedThreadState
+from fastcast.state import thread_state
 
 INNER = 10
 FEATURES = 16
@@ -63,15 +64,16 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture
-def own_registry() -> Iterator[ThreadState]:
-    """This thread's state with an empty registry; the previous one is restored after."""
-    ts = thread_state()
-    saved = ts.registry
-    ts.registry = None
+def own_registry() -> Iterator[DelayedThreadState]:
+    """This thread's delayed-scaling state, emptied; the previous one is restored after."""
+    schemes = thread_state().schemes
+    saved = schemes.pop(DelayedScalingScheme, None)
     try:
-        yield ts
+        yield DelayedThreadState.of(thread_state())
     finally:
-        ts.registry = saved
+        schemes.pop(DelayedScalingScheme, None)
+        if saved is not None:
+            schemes[DelayedScalingScheme] = saved
 
 
 def count_calls(fn: Callable[[], object]) -> tuple[int, int]:
@@ -99,7 +101,7 @@ def test_update(benchmark, own_registry, n):
         for module in modules:
             module(x)
 
-    registry = own_registry.registry
+    registry = own_registry
     forward_slabs = [s for (_, d, _), s in registry.slabs.items() if d == FORWARD]
     assert [s.scale.numel() for s in forward_slabs] == [2 * n]  # input and weight columns
     slab = forward_slabs[0]

@@ -6,10 +6,11 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from . import state as _state
 from .hardware import default_device_type, on_refresh
 from .recipe import Recipe
 from .schemes import default_recipe, scheme_for
-from .state import AutocastFrame, Stack, get_stack, set_stack, thread_state
+from .state import BOTTOM, AutocastFrame, Stack, get_stack, set_stack, thread_state
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -54,12 +55,12 @@ class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
         calibrating: bool = False,
         amax_reduction_group: Any = None,
     ) -> None:
-        if enabled is not True and enabled is not False:
+        if enabled.__class__ is not bool:
             raise TypeError(
                 f"fc.autocast: enabled must be a bool, got {enabled!r} (arguments after "
                 "enabled are keyword-only: fc.autocast(recipe=...))"
             )
-        if calibrating is not False and calibrating is not True:
+        if calibrating.__class__ is not bool:
             raise TypeError(f"fc.autocast: calibrating must be a bool, got {calibrating!r}")
         if recipe is None:
             recipe = default_recipe()
@@ -71,15 +72,17 @@ class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
         self.group = amax_reduction_group
 
     def __enter__(self) -> autocast:
-        below = node = get_stack()
-        if type(self.recipe) not in _runnable:
+        below = get_stack()
+        if self.recipe.__class__ not in _runnable:
             self._check_recipe()
-        while node is not None:  # usually one or two levels
-            if node[0] is self:
-                raise RuntimeError(
-                    "this fc.autocast instance is already active here; create a new one"
-                )
-            node = node[1]
+        if below is not BOTTOM:  # nested: refuse this instance if it is already below
+            node = below
+            while node is not None:
+                if node[0] is self:
+                    raise RuntimeError(
+                        "this fc.autocast instance is already active here; create a new one"
+                    )
+                node = node[1]
         set_stack((self, below))
         return self
 
@@ -102,9 +105,9 @@ class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
             below = self._exit_out_of_order(stack)
         # Stateful schemes (delayed scaling) decide whether this level ends the step. The
         # stack is already restored, so an error raised here leaves no level active.
-        ts = thread_state()
-        if ts.schemes:
-            for scheme_state in ts.schemes.values():
+        if _state.stateful_threads:
+            schemes = thread_state().schemes
+            for scheme_state in schemes.values():
                 scheme_state.frame_exited(self, below, exc_type is None)
 
     def _exit_out_of_order(self, stack: Stack) -> Stack:

@@ -132,6 +132,15 @@ class ThreadState:
 
 
 _threads = threading.local()
+# How many thread states hold a stateful scheme's state: while none does (stateless
+# recipes only), autocast's exit skips the per-thread look-up altogether.
+stateful_threads = 0
+
+
+def note_stateful_thread() -> None:
+    """Called once per thread state when a stateful scheme first keeps state in it."""
+    global stateful_threads
+    stateful_threads += 1
 
 
 def thread_state() -> ThreadState:

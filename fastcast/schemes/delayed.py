@@ -31,7 +31,7 @@ from ..profiling import annotate
 from ..quantize.base import Quantizer
 from ..quantize.tensorwise import DelayedScalingQuantizer, FixedScaleQuantizer, record_amax
 from ..recipe import DelayedScaling
-from ..state import AutocastFrame, Stack, ThreadState, thread_state
+from ..state import AutocastFrame, Stack, ThreadState, note_stateful_thread, thread_state
 from ..tensor import TENSORWISE
 from .base import Plan, Scheme, register_scheme
 
@@ -56,6 +56,7 @@ class DelayedThreadState:
         state = ts.schemes.get(DelayedScalingScheme)
         if state is None:
             state = ts.schemes[DelayedScalingScheme] = DelayedThreadState()
+            note_stateful_thread()
         return state
 
     def slab(self, key: tuple, group: Any, direction: int, fmt: str, device: torch.device) -> Slab:
