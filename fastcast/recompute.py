@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .state import OUTSIDE, AutocastFrame
+from .state import AutocastFrame
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _graph_task_id = torch._C._current_graph_task_id
@@ -148,6 +148,3 @@ def checkpoint_context() -> tuple[Any, Any]:
     from torch.utils.checkpoint import noop_context_fn  # noqa: PLC0415
 
     return noop_context_fn()
-
-
-__all__ = ["OUTSIDE", "RecomputeLog", "checkpoint_context", "checkpoint_region"]

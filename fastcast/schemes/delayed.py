@@ -41,11 +41,11 @@ class DelayedThreadState:
 
     __slots__ = ("slabs", "pending", "thread", "backward_task", "backward_groups")
 
-    def __init__(self) -> None:
+    def __init__(self, thread: threading.Thread) -> None:
         self.slabs: dict[tuple, Slab] = {}
         # Slabs with amaxes recorded since their last update, per direction.
         self.pending: tuple[set[Slab], set[Slab]] = (set(), set())
-        self.thread = threading.current_thread()
+        self.thread = thread  # the thread whose ThreadState holds this
         # The backward pass whose end is already queued, and the groups it ran under.
         self.backward_task: int | None = None
         self.backward_groups: list[Any] = []
@@ -55,7 +55,7 @@ class DelayedThreadState:
         """``ts``'s delayed-scaling state, created on first use."""
         state = ts.schemes.get(DelayedScalingScheme)
         if state is None:
-            state = ts.schemes[DelayedScalingScheme] = DelayedThreadState()
+            state = ts.schemes[DelayedScalingScheme] = DelayedThreadState(ts.thread)
             note_stateful_thread()
         return state
 
