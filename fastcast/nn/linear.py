@@ -111,7 +111,7 @@ class Linear(nn.Linear):
                     x, rows, plan.row_alignment, weight, bias, call, cache, is_first_microbatch
                 )
             return LinearFunction.apply(x, weight, bias, call, cache, is_first_microbatch)
-        except (ValueError, TypeError, RuntimeError) as exc:
+        except _NAMED as exc:
             if type(exc) in _NAMED:  # subclasses (out of memory, say) pass through as they are
                 raise type(exc)(f"{self._where()}: {exc}") from exc
             raise
