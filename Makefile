@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BENCH_TOOLS := $(VENV)/.bench
 COMPARE := $(VENV)/.compare
 
-.PHONY: bench test lint clean
+.PHONY: bench bench-sample test lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ test: $(STAMP)
 
 bench: $(COMPARE)
 	$(PY) -m bench.run
+
+# Replace the committed bench/results/sample.json with this run's medians (make bench
+# itself changes no tracked file).
+bench-sample: $(COMPARE)
+	$(PY) -m bench.run --update-sample
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check fastcast tests bench

@@ -12,10 +12,9 @@ This is what ``make bench`` runs, from the repository root. It
    and writes the same tables in Markdown to ``bench/results/summary.md``;
 3. runs ``python -m bench.train_step`` in a subprocess when ``bench/train_step.py``
    exists, printing its output;
-4. after a successful run, copies ``latest.json`` to ``bench/results/sample.json``, less
-   the raw per-round timings (the one result file under version control). A filtered
-   run (extra arguments) only does so when no sample exists yet, so that a partial run
-   never replaces a full sample.
+4. with ``--update-sample`` (``make bench-sample``), after a successful full run, copies
+   ``latest.json`` to ``bench/results/sample.json``, less the raw per-round timings (the
+   one result file under version control). A plain ``make bench`` changes no tracked file.
 
 The exit status is pytest's (or train_step's when pytest passed): a missed target is
 printed as MISS but does not fail the run. ``python -m bench.run --report FILE`` renders
@@ -272,6 +271,8 @@ def _has_path_argument(args: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    update_sample = "--update-sample" in args
+    args = [a for a in args if a != "--update-sample"]
     if args[:1] == ["--report"]:
         if len(args) != 2:
             print("usage: python -m bench.run --report FILE.json", file=sys.stderr)
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     if LATEST.exists():
         print()
         report(LATEST)
-        if rc == 0 and (not args or not SAMPLE.exists()):
+        if update_sample and rc == 0 and not args:
             write_sample(LATEST, SAMPLE)
             print(f"Sample results: {SAMPLE.relative_to(ROOT)}")
     else:
