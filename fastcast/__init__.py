@@ -1,7 +1,7 @@
 """fastcast: FP8 and FP4 mixed precision for PyTorch training with almost no CPU overhead."""
 
 from .autocast import autocast
-from .checkpoint import allow_unsafe_extra_state
+from .checkpoint import allow_unsafe_extra_state, read_extra_state, strip_extra_state
 from .gemm import scaled_mm
 from .hardware import (
     fp8_available,
@@ -50,5 +50,7 @@ __all__ = [
     "mxfp8_available",
     "nvfp4_available",
     "quantize",
+    "read_extra_state",
     "scaled_mm",
+    "strip_extra_state",
 ]

@@ -15,7 +15,7 @@ that happens when a module first runs under a key, not per step.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,15 +29,69 @@ FORWARD, BACKWARD = 0, 1
 _normal_tensors = torch.inference_mode(False)
 
 
-class ScalingMeta:
-    """Amax history and scales of one module for one direction (``n`` roles)."""
+class ScalingOrigin(NamedTuple):
+    """The recipe fields a meta's scales were computed under (saved in checkpoints).
 
-    __slots__ = ("n", "history", "scale", "scale_views", "amax_slots", "slab", "__weakref__")
+    None marks a field that is unknown (state from an older format or another library).
+    """
+
+    fmt: str | None  # element format of this direction: "e4m3" or "e5m2"
+    margin: int | None
+    amax_compute_algo: str | None  # "max", "most_recent" or "callable"
+    custom_scale: bool | None  # a scaling_factor_compute_algo was set
+    reduce_amax: bool | None
+
+    @classmethod
+    def of(cls, recipe: DelayedScaling, fmt: str) -> ScalingOrigin:
+        algo = recipe.amax_compute_algo
+        return cls(
+            fmt,
+            recipe.margin,
+            algo if isinstance(algo, str) else "callable",
+            recipe.scaling_factor_compute_algo is not None,
+            recipe.reduce_amax,
+        )
+
+    def same_scales(self, other: ScalingOrigin) -> bool:
+        """Whether scales made under ``self`` mean what they would under ``other``: the
+        same format and margin, both known (a custom scale formula counts as known)."""
+        return self.fmt is not None and self.margin is not None and (
+            (self.fmt, self.margin) == (other.fmt, other.margin)
+        )
+
+
+UNKNOWN_ORIGIN = ScalingOrigin(None, None, None, None, None)
+
+
+class ScalingMeta:
+    """Amax history and scales of one module for one direction (``n`` roles).
+
+    History row 0 is the step being recorded; after an update rows 1..L-1 hold the
+    previous steps' amaxes, oldest first (the update rolls the rows up by one).
+    """
+
+    __slots__ = (
+        "n",
+        "history",
+        "scale",
+        "scale_views",
+        "amax_slots",
+        "slab",
+        "origin",
+        "__weakref__",
+    )
 
     @_normal_tensors
-    def __init__(self, n: int, history_len: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        n: int,
+        history_len: int,
+        device: torch.device | str = "cpu",
+        origin: ScalingOrigin = UNKNOWN_ORIGIN,
+    ) -> None:
         self.n = n
         self.slab: Slab | None = None
+        self.origin = origin
         self._own(
             torch.zeros(history_len, n, device=device),
             torch.ones(n, device=device),
@@ -64,34 +118,88 @@ class ScalingMeta:
         self.detach()
         self._own(self.history.to(device), self.scale.to(device))
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """Plain-tensor copy of the values (for checkpoints and pickles)."""
-        return {"amax_history": self.history.clone(), "scale": self.scale.clone()}
-
     @classmethod
     @_normal_tensors
-    def from_state(cls, state: dict[str, torch.Tensor]) -> ScalingMeta:
-        history, scale = state["amax_history"], state["scale"]
-        if history.dim() != 2 or scale.dim() != 1 or history.shape[1] != scale.shape[0]:
-            raise ValueError(
-                f"delayed-scaling state has inconsistent shapes: amax_history "
-                f"{tuple(history.shape)}, scale {tuple(scale.shape)}"
-            )
-        meta = cls(scale.shape[0], history.shape[0], history.device)
+    def from_tensors(
+        cls,
+        history: torch.Tensor,
+        scale: torch.Tensor,
+        origin: ScalingOrigin = UNKNOWN_ORIGIN,
+    ) -> ScalingMeta:
+        """A meta holding copies of ``history`` ``[L, n]`` and ``scale`` ``[n]``, which
+        must be finite, with amaxes >= 0 and scales > 0 (ValueError otherwise)."""
+        check_scaling_tensors(history, scale)
+        meta = cls(scale.shape[0], history.shape[0], history.device, origin)
         meta._own(history.float().clone(), scale.float().clone())
         return meta
 
     @_normal_tensors
+    def reset(self) -> None:
+        """Forget the history and scales (amaxes 0, scales 1), in place."""
+        self.history.zero_()
+        self.scale.fill_(1.0)
+
+    @_normal_tensors
     def resize_history(self, history_len: int) -> None:
-        """Keep the newest ``min(old, new)`` rows' worth of history at a new length."""
+        """Change the history to ``history_len`` rows, keeping row 0 (the step being
+        recorded) and the newest past rows that fit, still oldest first."""
         old = self.history
         if old.shape[0] == history_len:
             return
         new = torch.zeros(history_len, self.n, device=old.device)
-        keep = min(history_len, old.shape[0])
-        new[:keep] = old[:keep]
+        new[0] = old[0]
+        past = min(history_len, old.shape[0]) - 1
+        if past > 0:
+            new[history_len - past :] = old[old.shape[0] - past :]
         self.detach()  # leaves this meta with a private copy of its scale
         self._own(new, self.scale)
+
+    @_normal_tensors
+    def adopt(self, recipe: DelayedScaling, fmt: str) -> None:
+        """Make the scales mean what ``recipe`` means for ``fmt``: when they were made
+        under another format or margin (or unknown ones), recompute them from the largest
+        amax of the history (a conservative choice: nothing saturates that did not
+        before); columns without any amax keep their scale. Then record the origin."""
+        origin = ScalingOrigin.of(recipe, fmt)
+        if not self.origin.same_scales(origin):
+            amax = self.history.amax(dim=0)
+            self.scale.copy_(
+                scale_from_amax(amax, ELEMENT_MAX[fmt], margin=recipe.margin, fallback=self.scale)
+            )
+        self.origin = origin
+
+
+def check_scaling_tensors(history: torch.Tensor, scale: torch.Tensor) -> None:
+    """ValueError unless ``history`` ``[L>=1, n]`` and ``scale`` ``[n]`` are floating-point,
+    finite, with amaxes >= 0 and scales > 0: anything else would quantize with NaN or
+    infinite scales, or zero every output, from the first step on."""
+    if not (isinstance(history, torch.Tensor) and isinstance(scale, torch.Tensor)):
+        raise ValueError("delayed-scaling state must hold tensors")
+    if not (history.is_floating_point() and scale.is_floating_point()):
+        raise ValueError(
+            f"delayed-scaling state must be floating point, got amax_history "
+            f"{history.dtype} and scale {scale.dtype}"
+        )
+    if (
+        history.dim() != 2
+        or scale.dim() != 1
+        or history.shape[1] != scale.shape[0]
+        or history.shape[0] < 1
+    ):
+        raise ValueError(
+            f"delayed-scaling state has inconsistent shapes: amax_history "
+            f"{tuple(history.shape)} (expected [L >= 1, n]), scale {tuple(scale.shape)} "
+            f"(expected [n])"
+        )
+    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+        raise ValueError(
+            f"delayed-scaling scales must be finite and positive, got {scale.tolist()}"
+        )
+    if not bool(torch.isfinite(history).all()) or not bool((history >= 0).all()):
+        bad = history[~(torch.isfinite(history) & (history >= 0))]
+        raise ValueError(
+            f"delayed-scaling amax history must be finite and >= 0, found {bad[:4].tolist()}"
+        )
 
 
 class Slab:
@@ -129,9 +237,11 @@ class Slab:
         return [m for m in (ref() for ref in self.members) if m is not None]
 
     def add(self, meta: ScalingMeta) -> None:
-        """Take ``meta`` in: its current values become new columns of the slab."""
+        """Take ``meta`` in: its values, fitted to this slab's recipe (history length,
+        format and margin, see ``ScalingMeta.adopt``), become new columns of the slab."""
         meta.detach()
         meta.resize_history(self.recipe.amax_history_len)
+        meta.adopt(self.recipe, self.fmt)
         self._rebuild([*self.live_members(), meta])
 
     def remove(self, meta: ScalingMeta) -> None:

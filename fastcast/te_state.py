@@ -153,9 +153,10 @@ def from_transformer_engine(state: dict[Any, Any], owner: str) -> dict[int, Scal
                 f"[L, {columns}] (and {inv_key} [{columns}] if present); found {found}"
             )
         keep = _KEPT_COLUMNS[direction]
-        metas[direction] = ScalingMeta.from_state(
-            {"amax_history": history[:, :keep], "scale": scale[:keep]}
-        )
+        try:
+            metas[direction] = ScalingMeta.from_tensors(history[:, :keep], scale[:keep])
+        except ValueError as exc:
+            raise ValueError(f"{owner}: TransformerEngine {exc}") from None
     return metas
 
 

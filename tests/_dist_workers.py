@@ -84,9 +84,9 @@ def isolated(fn: Any, *args: Any) -> Any:
 
 def delayed_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """A fc.Linear's delayed-scaling state (history and scales, both directions)."""
-    state = module.get_extra_state()
+    state = fc.read_extra_state(module.get_extra_state())
     return {
-        f"{direction}.{name}": state[direction][name].clone()
+        f"{direction}.{name}": state[direction][name]
         for direction in ("forward", "backward")
         for name in ("amax_history", "scale")
     }

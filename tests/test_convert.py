@@ -225,10 +225,9 @@ def test_state_dict_keys_gain_only_extra_state():
     new_keys = set(net.state_dict())
     converted = [n for n, m in net.named_modules() if isinstance(m, fc.Linear)]
     assert new_keys == set(old_sd) | {f"{n}._extra_state" for n in converted}
-    # A checkpoint of the unconverted model loads with strict=False.
-    result = net.load_state_dict(old_sd, strict=False)
-    assert sorted(result.missing_keys) == sorted(f"{n}._extra_state" for n in converted)
-    assert result.unexpected_keys == []
+    # A checkpoint of the unconverted model loads, strict=True included.
+    result = net.load_state_dict(old_sd, strict=True)
+    assert result.missing_keys == [] and result.unexpected_keys == []
 
 
 def test_a_shared_linear_stays_one_module():

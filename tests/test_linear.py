@@ -113,7 +113,8 @@ def test_same_parameters_and_init_as_nn_linear():
     assert [n for n, _ in lin.named_parameters()] == ["weight", "bias"]
     assert (lin.in_features, lin.out_features) == (48, 20)
     assert list(lin.state_dict()) == ["weight", "bias", "_extra_state"]
-    assert lin.state_dict()["_extra_state"] is None  # nothing has run: stateless
+    # Nothing has run: the stateless header.
+    assert fc.read_extra_state(lin.state_dict()["_extra_state"])["kind"] == "stateless"
     assert "in_features=48, out_features=20, bias=True" in repr(lin)
 
 
@@ -161,8 +162,8 @@ def test_load_nn_linear_state_dict_and_back():
     lin, ref = make_pair(64, 32, seed=1)
     torch.manual_seed(9)
     other = nn.Linear(64, 32)
-    result = lin.load_state_dict(other.state_dict(), strict=False)
-    assert result.missing_keys == ["_extra_state"] and result.unexpected_keys == []
+    result = lin.load_state_dict(other.state_dict(), strict=True)  # no missing key
+    assert result.missing_keys == [] and result.unexpected_keys == []
     assert torch.equal(lin.weight, other.weight) and torch.equal(lin.bias, other.bias)
 
     with fc.autocast(recipe=fc.Float8CurrentScaling()):
@@ -171,16 +172,17 @@ def test_load_nn_linear_state_dict_and_back():
     assert back.missing_keys == [] and back.unexpected_keys == ["_extra_state"]
     assert torch.equal(ref.weight, lin.weight) and torch.equal(ref.bias, lin.bias)
     with pytest.raises(RuntimeError, match="_extra_state"):
-        lin.load_state_dict(other.state_dict())  # strict: the missing key is reported
+        ref.load_state_dict(lin.state_dict())  # strict: the unexpected key is reported
+    ref.load_state_dict(fc.strip_extra_state(lin.state_dict()))  # the documented way
 
 
-def test_stateless_recipes_store_none():
+def test_stateless_recipes_store_the_stateless_header():
     lin = fc.Linear(64, 32)
     for recipe in STATELESS.values():
         with fc.autocast(recipe=recipe):
             lin(torch.randn(64, 64, requires_grad=True)).sum().backward()
-        assert lin.get_extra_state() is None
-        assert lin.state_dict()["_extra_state"] is None
+        assert fc.read_extra_state(lin.get_extra_state())["kind"] == "stateless"
+        assert fc.read_extra_state(lin.state_dict()["_extra_state"])["kind"] == "stateless"
     fresh = fc.Linear(64, 32)
     assert fresh.load_state_dict(lin.state_dict()).missing_keys == []
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..recipe import Recipe
 from ..schemes import DEFAULT_ALIGNMENT, scheme_for
-from .linear import Linear
+from .linear import Linear, validate_extra_states
 
 logger = logging.getLogger("fastcast")
 
@@ -35,8 +35,16 @@ def convert(
     Each converted layer records its qualified name (``_fc_name``), which its errors
     quote. The ``fastcast`` logger gets one INFO line (how many layers were converted,
     which were skipped and why) and a DEBUG line per layer.
+
+    Checkpoints: ``module`` gets a load pre-hook that validates every ``fc.Linear``'s
+    extra state in a state dict before any parameter is written (a refused load changes
+    nothing). With ``recipe``, every ``fc.Linear`` below ``module`` (converted now or
+    before) gets the per-module state that recipe keeps (``Linear.prepare_state``), so a
+    freshly built model has the state-dict layout of a trained one: what DCP, which loads
+    in place, needs to resume.
     """
     align = DEFAULT_ALIGNMENT if recipe is None else scheme_for(recipe).alignment(recipe)
+    _validate_loads(module)
 
     def kept_because(layer: nn.Linear, name: str) -> str | None:
         """Why ``layer`` stays as it is, or None to convert it."""
@@ -64,7 +72,10 @@ def convert(
         report.add("", module, why)
         if why is None:
             report.log()
-            return _swap(module, "")
+            new = _swap(module, "")
+            if recipe is not None:
+                new.prepare_state(recipe)
+            return new
     for name, parent in list(module.named_modules(remove_duplicate=False)):
         # _modules, not named_children(), which would hide the second entry of a layer.
         for child_name, child in list(parent._modules.items()):
@@ -83,7 +94,21 @@ def convert(
                 swapped[id(child)] = _swap(child, full)
                 setattr(parent, child_name, swapped[id(child)])
     report.log()
+    if recipe is not None:
+        for layer in module.modules():
+            if isinstance(layer, Linear):
+                layer.prepare_state(recipe)
     return module
+
+
+def _validate_loads(module: nn.Module) -> None:
+    """Install ``validate_extra_states`` on ``module`` once (an ``fc.Linear`` validates
+    its own state)."""
+    if isinstance(module, Linear):
+        return
+    hooks = module._load_state_dict_pre_hooks.values()
+    if not any(getattr(h, "hook", h) is validate_extra_states for h in hooks):
+        module.register_load_state_dict_pre_hook(validate_extra_states)
 
 
 def _swap(linear: nn.Linear, name: str) -> Linear:

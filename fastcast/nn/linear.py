@@ -8,10 +8,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import decode_extra_state, encode_extra_state
+from ..checkpoint import (
+    EXTRA_STATE_KEY,
+    decode_extra_state,
+    encode_extra_state,
+    legacy_pickled_state,
+)
 from ..delayed import ScalingMeta
 from ..profiling import annotate
 from ..quantize.base import check_input
+from ..recipe import Recipe
 from ..recompute import RecomputeLog, checkpoint_region
 from ..schemes import Plan, scheme_for
 from ..state import OUTSIDE, AutocastFrame, get_stack
@@ -145,39 +151,105 @@ class Linear(nn.Linear):
         """High-precision run that lets stateful schemes record what they need."""
         self._plan_for(frame, weight).calibrate(x, weight)
 
-    # -- state: _extra_state, device moves, pickling ------------------------------------------
-    def get_extra_state(self) -> Any:
+    # -- state: _extra_state, loading, device moves, pickling -------------------------------
+    def prepare_state(self, recipe: Recipe) -> None:
+        """Create the state ``recipe`` keeps per module (delayed scaling: fresh amax
+        histories and scales) now rather than at the first forward, so that this module's
+        state dict already has the layout a trained one saves (DCP loads in place and
+        needs it). ``fc.convert(..., recipe=...)`` calls this; stateless recipes keep
+        nothing. State the module already has is left as it is."""
+        device = self.weight.device
+        if device.type == "meta":  # materialised later by to_empty(), which _apply follows
+            device = torch.device("cpu")
+        scheme_for(recipe).prepare(recipe, self._metas, device)
+
+    def get_extra_state(self) -> torch.Tensor:
+        """A 1-D float32 CPU tensor (``fastcast.checkpoint`` documents the layout)."""
         return encode_extra_state(self._metas)
 
     def set_extra_state(self, state: Any) -> None:
-        metas = decode_extra_state(state, owner=type(self).__name__)
+        self._install(decode_extra_state(state, owner=self._where()))
+
+    def _install(self, metas: dict[int, ScalingMeta]) -> None:
         for meta in self._metas.values():
             meta.detach()
+        device = self.weight.device
+        if device.type != "meta":
+            for meta in metas.values():
+                meta.move_to(device)
         self._metas = metas
         self._plan = None
         self._weight_cache.clear()
 
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # The extra state is decoded (validated) before nn.Module writes any parameter, so
+        # a refused state leaves the module as it was.
+        key = prefix + EXTRA_STATE_KEY
+        args = (local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if key not in state_dict:
+            # nn.Linear's checkpoint (or a partial one): not a missing key, even with
+            # strict=True. New weights make the old scales meaningless: start them afresh.
+            super()._load_from_state_dict(state_dict, prefix, *args)
+            if key in missing_keys:
+                missing_keys.remove(key)
+            if prefix + "weight" in state_dict:
+                for meta in self._metas.values():
+                    meta.reset()
+                self._weight_cache.clear()
+            return
+        metas = decode_extra_state(state_dict[key], owner=f"{self._where()} at {key!r}")
+        rest = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(rest, prefix, *args)
+        if key in missing_keys:
+            missing_keys.remove(key)
+        self._install(metas)
+
     def _apply(self, fn: Any, recurse: bool = True) -> Linear:
         super()._apply(fn, recurse)
-        # Scales stay FP32 whatever dtype the parameters move to; only the device follows.
-        for meta in self._metas.values():
-            meta.move_to(self.weight.device)
+        # Scales stay FP32 whatever dtype the parameters move to; only the device follows
+        # (not to the meta device, which would lose their values).
+        device = self.weight.device
+        if device.type != "meta":
+            for meta in self._metas.values():
+                meta.move_to(device)
         self._plan = None
         self._weight_cache.clear()
         return self
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_metas"] = {d: m.state() for d, m in self._metas.items()}
+        state["_metas"] = self.get_extra_state()
         # Runtime-only: rebuilt by _init_runtime on unpickling.
         del state["_plan"], state["_weight_cache"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        metas = state.pop("_metas", {})
+        metas = legacy_pickled_state(state.pop("_metas", None))
         self.__dict__.update(state)
         self._init_runtime()
-        self._metas = {d: ScalingMeta.from_state(s) for d, s in metas.items()}
+        self._install(decode_extra_state(metas, owner=self._where()))
+
+
+def validate_extra_states(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any
+) -> None:
+    """Load pre-hook (``fc.convert`` installs it on the model): decode every ``fc.Linear``
+    extra state of ``state_dict`` below ``module`` before the first parameter is written,
+    so that one refused state (a later layer's) leaves the whole model as it was."""
+    for name, sub in module.named_modules(prefix=prefix.rstrip("."), remove_duplicate=False):
+        if isinstance(sub, Linear) and sub is not module:
+            key = f"{name}.{EXTRA_STATE_KEY}" if name else EXTRA_STATE_KEY
+            if key in state_dict:
+                decode_extra_state(state_dict[key], owner=f"{sub._where()} at {key!r}")
 
 
 # Exceptions forward re-raises with the layer's name in front (exact types only).

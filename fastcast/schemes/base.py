@@ -104,6 +104,11 @@ class Scheme:
         """``(input, weight, grad_output)`` quantizers."""
         return tuple(self.quantizer(recipe, role, group) for role in ROLES)
 
+    def prepare(self, recipe: Recipe, module_state: dict[Any, Any], device: torch.device) -> None:
+        """Create the per-module state ``recipe`` keeps (none when stateless), before the
+        module first runs: a freshly built model then has the state-dict layout a trained
+        one saves, which loaders that fill tensors in place (DCP) need."""
+
     def plan(
         self, frame: AutocastFrame, module_state: dict[Any, Any], device: torch.device
     ) -> Plan:

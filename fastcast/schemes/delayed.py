@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-from ..delayed import BACKWARD, FORWARD, ScalingMeta, Slab
+from ..delayed import BACKWARD, FORWARD, ScalingMeta, ScalingOrigin, Slab
 from ..profiling import annotate
 from ..quantize.base import Quantizer
 from ..quantize.tensorwise import DelayedScalingQuantizer, FixedScaleQuantizer, record_amax
@@ -223,6 +223,16 @@ class DelayedScalingScheme(Scheme):
             "through fc.Linear under fc.autocast, or use Float8CurrentScaling"
         )
 
+    def prepare(
+        self, recipe: DelayedScaling, module_state: dict[Any, Any], device: torch.device
+    ) -> None:
+        """Give the module fresh metas (amaxes 0, scales 1) for the directions it has none
+        of; the ones it has are fitted to the recipe when they join a slab."""
+        for direction, n, elem in _directions(recipe):
+            if direction not in module_state:
+                origin = ScalingOrigin.of(recipe, elem)
+                module_state[direction] = ScalingMeta(n, recipe.amax_history_len, device, origin)
+
     def plan(
         self, frame: AutocastFrame, module_state: dict[Any, Any], device: torch.device
     ) -> DelayedPlan:
@@ -233,13 +243,11 @@ class DelayedScalingScheme(Scheme):
         for meta in module_state.values():
             _refuse_concurrent_use(meta, state)
         key = frame.key()
-        fmt = recipe.fp8_format
+        self.prepare(recipe, module_state, device)
         slabs, metas = [], []
-        for direction, n, elem in ((FORWARD, 2, fmt.fwd), (BACKWARD, 1, fmt.bwd)):
-            meta = module_state.get(direction)
-            if meta is None:
-                meta = module_state[direction] = ScalingMeta(n, recipe.amax_history_len, device)
-            elif meta.history.device != device:
+        for direction, _, elem in _directions(recipe):
+            meta = module_state[direction]
+            if meta.history.device != device:
                 meta.move_to(device)
             slab = state.slab(key, frame.group, direction, elem, device)
             if meta.slab is not slab:
@@ -247,6 +255,13 @@ class DelayedScalingScheme(Scheme):
             slabs.append(slab)
             metas.append(meta)
         return DelayedPlan(recipe, frame.group, state, tuple(slabs), tuple(metas))
+
+
+def _directions(recipe: DelayedScaling) -> tuple[tuple[int, int, str], ...]:
+    """``(direction, columns, element format)``: forward scales the input and weight,
+    backward the output gradient."""
+    fmt = recipe.fp8_format
+    return ((FORWARD, 2, fmt.fwd), (BACKWARD, 1, fmt.bwd))
 
 
 def _refuse_concurrent_use(meta: ScalingMeta, state: DelayedThreadState) -> None:
