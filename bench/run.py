@@ -32,7 +32,10 @@ Conventions for benchmark modules
 - A module may define ``TARGETS = [(group, subject, reference, max_ratio, label), ...]``:
   ``subject`` and ``reference`` are test names as pytest-benchmark reports them
   (``test_name``, or ``test_name[param]`` when parametrized), both in ``group``; the
-  target passes when ``median(subject) / median(reference) <= max_ratio``.
+  target passes when ``median(subject) / median(reference) <= max_ratio``. A sixth
+  element names an ``extra_info`` key to compare instead of the median (``"bytes"``).
+- A benchmark that writes a file records its size as ``benchmark.extra_info["bytes"]``;
+  its group's table then shows it in a ``bytes`` column.
 - Per-test timing options can be changed with ``@pytest.mark.benchmark(min_rounds=...,
   max_time=...)``; slow benchmarks should lower ``min_rounds`` there, not here.
 """
@@ -93,6 +96,12 @@ def _three_digits(value: float, unit: str) -> str:
 
 def format_ratio(ratio: float) -> str:
     return f"{ratio:.2f}x" if math.isfinite(ratio) else "n/a"
+
+
+def format_bytes(size: object) -> str:
+    """A byte count in full, with thousands separators (sizes compared at 1.1x need
+    every digit); empty when not recorded."""
+    return "" if size is None else f"{int(size):,}"
 
 
 def _text_table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
@@ -183,6 +192,7 @@ def build_report(data: dict, entries: list[Entry]) -> tuple[list[str], list[str]
     for group in sorted(groups):
         members = sorted(groups[group], key=lambda e: e.median)
         fastest = members[0].median
+        sized = any("bytes" in e.extra for e in members)
         rows = [
             [
                 e.name,
@@ -190,18 +200,21 @@ def build_report(data: dict, entries: list[Entry]) -> tuple[list[str], list[str]
                 format_time(e.iqr),
                 format_ratio(e.median / fastest if fastest > 0 else math.nan),
                 str(e.rounds),
+                *([format_bytes(e.extra.get("bytes"))] if sized else []),
             ]
             for e in members
         ]
+        columns = [*headers, "bytes"] if sized else headers
+        right = set(range(1, len(columns)))
         inners = sorted({e.inner for e in members})
         note = (
             f"inner loop {inners[0]}"
             if len(inners) == 1
             else f"inner loops differ: {inners}; ratios are still per iteration"
         )
-        text += ["", f"[{group}]  ({note})", *_text_table(headers, rows, {1, 2, 3, 4})]
+        text += ["", f"[{group}]  ({note})", *_text_table(columns, rows, right)]
         md += [f"## {md_escape(group)}", "", f"_{md_escape(note)}_", ""]
-        md += [*_md_table(headers, rows, {1, 2, 3, 4}), ""]
+        md += [*_md_table(columns, rows, right), ""]
 
     by_key = {(e.module, e.group, e.name): e for e in entries}
     rows, missed, skipped, not_run = [], 0, 0, 0
