@@ -42,6 +42,7 @@ block.
 from __future__ import annotations
 
 import io
+import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -65,6 +66,9 @@ MAGIC = 0xFCA570
 VERSION = 2
 HEADER = 16
 STATELESS, DELAYED = 0, 1
+_STATELESS_HEADER = [float(MAGIC), float(VERSION), float(STATELESS), float(HEADER)] + [0.0] * (
+    HEADER - 4
+)
 # Header slots.
 _KIND, _HEADER_LEN, _ROWS, _FWD_COLS, _BWD_COLS, _FWD_FMT, _BWD_FMT = 2, 3, 4, 5, 6, 7, 8
 _MARGIN, _ALGO, _CUSTOM, _REDUCE = 9, 10, 11, 12
@@ -109,15 +113,14 @@ class allow_unsafe_extra_state:  # noqa: N801 - lower case like fc.autocast
 
 def encode_extra_state(metas: dict[int, ScalingMeta]) -> torch.Tensor:
     """The module's state as a new float32 CPU tensor (layout in the module docstring)."""
-    header = torch.zeros(HEADER)
-    header[:4] = torch.tensor([MAGIC, VERSION, STATELESS, HEADER])
     if not metas:
-        return header
+        return torch.tensor(_STATELESS_HEADER)
     parts = [metas[d] for d in (FORWARD, BACKWARD) if d in metas]
     rows = parts[0].history.shape[0]
     if any(m.history.shape[0] != rows for m in parts):
         raise ValueError("delayed-scaling metas of one module must have one history length")
     origin = parts[0].origin
+    header = list(_STATELESS_HEADER)
     fields = {
         _KIND: DELAYED,
         _ROWS: rows,
@@ -131,10 +134,10 @@ def encode_extra_state(metas: dict[int, ScalingMeta]) -> torch.Tensor:
         _REDUCE: UNKNOWN if origin.reduce_amax is None else int(origin.reduce_amax),
     }
     for slot, value in fields.items():
-        header[slot] = value
+        header[slot] = float(value)
     scales = [m.scale.detach().float().cpu() for m in parts]
     history = torch.cat([m.history.detach().float().cpu() for m in parts], dim=1)
-    return torch.cat([header, *scales, history.reshape(-1)])
+    return torch.cat([torch.tensor(header), *scales, history.reshape(-1)])
 
 
 def _code(value: str | None, names: tuple[str, ...]) -> int:
@@ -184,26 +187,28 @@ def _decode_tensor(state: torch.Tensor, owner: str) -> dict[int, ScalingMeta]:
             "is a 1-D float32 tensor (was the state dict cast to another dtype?)"
         )
     flat = state.detach().cpu()
-    if flat[0].item() != MAGIC:
-        raise refuse(f"extra state tensor is not fastcast's (first value {flat[0].item()!r})")
-    version = flat[1].item()
+    raw = flat[:HEADER].tolist()  # one read for the whole header
+    if raw == _STATELESS_HEADER and flat.numel() == HEADER:
+        return {}
+    if raw[0] != MAGIC:
+        raise refuse(f"extra state tensor is not fastcast's (first value {raw[0]!r})")
+    version = raw[1]
     if version != VERSION:
         raise refuse(
             f"unsupported fastcast extra state version {version!r} (this fastcast reads "
             f"versions 1 and {VERSION}; a newer fastcast wrote it?)"
         )
-    if flat.numel() < HEADER or flat[_HEADER_LEN].item() != HEADER:
+    if len(raw) < HEADER or raw[_HEADER_LEN] != HEADER:
         raise refuse(f"fastcast extra state header is truncated ({flat.numel()} values)")
-    if not bool(torch.isfinite(flat[:HEADER]).all()) or not bool(
-        (flat[:HEADER] == flat[:HEADER].round()).all()
-    ):
+    if not all(math.isfinite(v) and v == int(v) for v in raw):
         raise refuse("fastcast extra state header must hold integers")
-    head = [int(v) for v in flat[:HEADER].tolist()]
+    head = [int(v) for v in raw]
     kind = head[_KIND]
     if kind == STATELESS:
-        if flat.numel() != HEADER:
-            raise refuse(f"stateless fastcast extra state has {flat.numel()} values, not {HEADER}")
-        return {}
+        raise refuse(
+            f"stateless fastcast extra state must be exactly the {HEADER}-value header "
+            f"(zeros after the first four), got {flat.numel()} values"
+        )
     if kind != DELAYED:
         raise refuse(f"unknown fastcast extra state kind {kind}")
     rows, fwd_cols, bwd_cols = head[_ROWS], head[_FWD_COLS], head[_BWD_COLS]
@@ -239,6 +244,10 @@ def _decode_tensor(state: torch.Tensor, owner: str) -> dict[int, ScalingMeta]:
         raise refuse(f"delayed-scaling state has an invalid margin {head[_MARGIN]}")
     scales = flat[HEADER : HEADER + columns]
     history = flat[HEADER + columns :].reshape(rows, columns)
+    # All values in one read: finite and >= 0, scales > 0 (NaN fails every comparison).
+    low, high = torch.aminmax(flat[HEADER:])
+    low, high, scale_low = torch.stack([low, high, scales.min()]).tolist()
+    checked = low >= 0 and high < math.inf and scale_low > 0
 
     def known(code: int, names: tuple[str, ...]) -> str | None:
         return None if code == UNKNOWN else names[code]
@@ -267,29 +276,36 @@ def _decode_tensor(state: torch.Tensor, owner: str) -> dict[int, ScalingMeta]:
                 origin(fmt),
             )
             offset += cols
-    return _metas(parts, owner)
+    return _metas(parts, owner, checked)
 
 
 def _metas(
-    parts: dict[int, tuple[torch.Tensor, torch.Tensor, ScalingOrigin]], owner: str
+    parts: dict[int, tuple[torch.Tensor, torch.Tensor, ScalingOrigin]],
+    owner: str,
+    checked: bool = False,
 ) -> dict[int, ScalingMeta]:
-    """Validated metas from per-direction ``(history, scale, origin)``."""
+    """Validated metas (on the CPU, holding copies) from per-direction ``(history, scale,
+    origin)``; ``checked``: the values are known to be finite, amaxes >= 0, scales > 0."""
     rows = {history.shape[0] for history, _, _ in parts.values() if history.dim() == 2}
     if len(rows) > 1:
         raise ValueError(f"{owner}: the directions' amax histories differ in length {sorted(rows)}")
     metas = {}
     for direction, (history, scale, origin) in parts.items():
         name = "forward" if direction == FORWARD else "backward"
-        try:
-            check_scaling_tensors(history, scale)
-        except ValueError as exc:
-            raise ValueError(f"{owner}: {name} {exc}") from None
+        if not checked:
+            try:
+                check_scaling_tensors(history, scale)
+            except ValueError as exc:
+                raise ValueError(f"{owner}: {name} {exc}") from None
         if scale.shape[0] != _COLUMNS[direction]:
             raise ValueError(
                 f"{owner}: {name} delayed-scaling state has {scale.shape[0]} columns; an "
                 f"fc.Linear keeps {_COLUMNS[direction]}"
             )
-        metas[direction] = ScalingMeta.from_tensors(history.cpu(), scale.cpu(), origin)
+        history = history.detach().to("cpu", torch.float32, copy=True)
+        metas[direction] = ScalingMeta.holding(
+            history, scale.detach().to("cpu", torch.float32, copy=True), origin
+        )
     return metas
 
 

@@ -14,6 +14,7 @@ that happens when a module first runs under a key, not per step.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, NamedTuple
 
@@ -55,8 +56,10 @@ class ScalingOrigin(NamedTuple):
     def same_scales(self, other: ScalingOrigin) -> bool:
         """Whether scales made under ``self`` mean what they would under ``other``: the
         same format and margin, both known (a custom scale formula counts as known)."""
-        return self.fmt is not None and self.margin is not None and (
-            (self.fmt, self.margin) == (other.fmt, other.margin)
+        return (
+            self.fmt is not None
+            and self.margin is not None
+            and ((self.fmt, self.margin) == (other.fmt, other.margin))
         )
 
 
@@ -107,16 +110,18 @@ class ScalingMeta:
 
     @_normal_tensors
     def detach(self) -> None:
-        """Leave the slab, keeping a private copy of the current values."""
+        """Leave the slab, keeping a private copy of the current values (a meta outside
+        any slab already holds private tensors)."""
         if self.slab is not None:
             self.slab.remove(self)
-        self._own(self.history.clone(), self.scale.clone())
+            self._own(self.history.clone(), self.scale.clone())
 
     @_normal_tensors
     def move_to(self, device: torch.device) -> None:
         """Leave the slab and carry the values to ``device``."""
         self.detach()
-        self._own(self.history.to(device), self.scale.to(device))
+        if self.history.device != device:
+            self._own(self.history.to(device), self.scale.to(device))
 
     @classmethod
     @_normal_tensors
@@ -129,8 +134,19 @@ class ScalingMeta:
         """A meta holding copies of ``history`` ``[L, n]`` and ``scale`` ``[n]``, which
         must be finite, with amaxes >= 0 and scales > 0 (ValueError otherwise)."""
         check_scaling_tensors(history, scale)
-        meta = cls(scale.shape[0], history.shape[0], history.device, origin)
-        meta._own(history.float().clone(), scale.float().clone())
+        return cls.holding(history.float().clone(), scale.float().clone(), origin)
+
+    @classmethod
+    def holding(
+        cls, history: torch.Tensor, scale: torch.Tensor, origin: ScalingOrigin
+    ) -> ScalingMeta:
+        """A meta that owns ``history`` and ``scale`` as they are (already checked and
+        private to it: the caller gives them up)."""
+        meta = cls.__new__(cls)
+        meta.n = scale.shape[0]
+        meta.slab = None
+        meta.origin = origin
+        meta._own(history, scale)
         return meta
 
     @_normal_tensors
@@ -191,11 +207,15 @@ def check_scaling_tensors(history: torch.Tensor, scale: torch.Tensor) -> None:
             f"{tuple(history.shape)} (expected [L >= 1, n]), scale {tuple(scale.shape)} "
             f"(expected [n])"
         )
-    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+    # Smallest and largest of each in one read (NaN propagates, failing every test below).
+    h_min, h_max = torch.aminmax(history.detach())
+    s_min, s_max = torch.aminmax(scale.detach())
+    h_min, h_max, s_min, s_max = torch.stack([h_min, h_max, s_min, s_max]).tolist()
+    if not (s_min > 0 and s_max < math.inf):
         raise ValueError(
             f"delayed-scaling scales must be finite and positive, got {scale.tolist()}"
         )
-    if not bool(torch.isfinite(history).all()) or not bool((history >= 0).all()):
+    if not (h_min >= 0 and h_max < math.inf):
         bad = history[~(torch.isfinite(history) & (history >= 0))]
         raise ValueError(
             f"delayed-scaling amax history must be finite and >= 0, found {bad[:4].tolist()}"

@@ -168,17 +168,23 @@ class Linear(nn.Linear):
         return encode_extra_state(self._metas)
 
     def set_extra_state(self, state: Any) -> None:
-        self._install(decode_extra_state(state, owner=self._where()))
-
-    def _install(self, metas: dict[int, ScalingMeta]) -> None:
-        for meta in self._metas.values():
-            meta.detach()
-        device = self.weight.device
-        if device.type != "meta":
-            for meta in metas.values():
-                meta.move_to(device)
-        self._metas = metas
-        self._plan = None
+        # A state that _load_from_state_dict (or the model's pre-hook) already decoded is
+        # taken as it is; any other is decoded here.
+        checked = self.__dict__.pop("_fc_checked", None)
+        if checked is not None and checked[0] is state:
+            metas = checked[1]
+        else:
+            metas = decode_extra_state(state, owner=self._where())
+        # The old metas are simply dropped: slabs hold members weakly and compact dead
+        # columns at their next update (leaving each slab now would rebuild it per module).
+        if metas:
+            device = self._parameters["weight"].device
+            if device.type != "meta":
+                for meta in metas.values():
+                    if meta.history.device != device:
+                        meta.move_to(device)
+        # Plain attributes: __dict__ directly, as nn.Module.__setattr__ would (faster).
+        self.__dict__.update(_metas=metas, _plan=None)
         self._weight_cache.clear()
 
     def _load_from_state_dict(
@@ -191,27 +197,28 @@ class Linear(nn.Linear):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        # The extra state is decoded (validated) before nn.Module writes any parameter, so
-        # a refused state leaves the module as it was.
         key = prefix + EXTRA_STATE_KEY
         args = (local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        if key not in state_dict:
-            # nn.Linear's checkpoint (or a partial one): not a missing key, even with
-            # strict=True. New weights make the old scales meaningless: start them afresh.
+        if key in state_dict:
+            # Decoded (validated) before nn.Module writes any parameter, so a refused
+            # state leaves the module as it was; nn.Module then hands it to
+            # set_extra_state, which takes the decoded metas.
+            state = state_dict[key]
+            checked = self.__dict__.get("_fc_checked")
+            if checked is None or checked[0] is not state:
+                metas = decode_extra_state(state, owner=f"{self._where()} at {key!r}")
+                self.__dict__["_fc_checked"] = (state, metas)
             super()._load_from_state_dict(state_dict, prefix, *args)
-            if key in missing_keys:
-                missing_keys.remove(key)
-            if prefix + "weight" in state_dict:
-                for meta in self._metas.values():
-                    meta.reset()
-                self._weight_cache.clear()
             return
-        metas = decode_extra_state(state_dict[key], owner=f"{self._where()} at {key!r}")
-        rest = {k: v for k, v in state_dict.items() if k != key}
-        super()._load_from_state_dict(rest, prefix, *args)
+        # nn.Linear's checkpoint (or a partial one): not a missing key, even with
+        # strict=True. New weights make the old scales meaningless: start them afresh.
+        super()._load_from_state_dict(state_dict, prefix, *args)
         if key in missing_keys:
             missing_keys.remove(key)
-        self._install(metas)
+        if prefix + "weight" in state_dict:
+            for meta in self._metas.values():
+                meta.reset()
+            self._weight_cache.clear()
 
     def _apply(self, fn: Any, recurse: bool = True) -> Linear:
         super()._apply(fn, recurse)
@@ -230,13 +237,14 @@ class Linear(nn.Linear):
         state["_metas"] = self.get_extra_state()
         # Runtime-only: rebuilt by _init_runtime on unpickling.
         del state["_plan"], state["_weight_cache"]
+        state.pop("_fc_checked", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         metas = legacy_pickled_state(state.pop("_metas", None))
         self.__dict__.update(state)
         self._init_runtime()
-        self._install(decode_extra_state(metas, owner=self._where()))
+        self.set_extra_state(metas)
 
 
 def validate_extra_states(
@@ -245,11 +253,18 @@ def validate_extra_states(
     """Load pre-hook (``fc.convert`` installs it on the model): decode every ``fc.Linear``
     extra state of ``state_dict`` below ``module`` before the first parameter is written,
     so that one refused state (a later layer's) leaves the whole model as it was."""
+    checked = []
     for name, sub in module.named_modules(prefix=prefix.rstrip("."), remove_duplicate=False):
         if isinstance(sub, Linear) and sub is not module:
             key = f"{name}.{EXTRA_STATE_KEY}" if name else EXTRA_STATE_KEY
             if key in state_dict:
-                decode_extra_state(state_dict[key], owner=f"{sub._where()} at {key!r}")
+                state = state_dict[key]
+                owner = f"{sub._where()} at {key!r}"
+                checked.append((sub, state, decode_extra_state(state, owner)))
+    # All valid: each module takes its decoded state when the load reaches it (if it is
+    # still the same object then), rather than decoding it a second time.
+    for sub, state, metas in checked:
+        sub.__dict__["_fc_checked"] = (state, metas)
 
 
 # Exceptions forward re-raises with the layer's name in front (exact types only).
