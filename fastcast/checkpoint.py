@@ -82,7 +82,7 @@ _V1_DIRECTIONS = {"forward": FORWARD, "backward": BACKWARD}
 
 
 class allow_unsafe_extra_state:  # noqa: N801 - lower case like fc.autocast
-    """Allow modules in this thread to unpickle a foreign extra state (and so run its code).
+    """Allow modules in this context to unpickle a foreign extra state (TransformerEngine's).
 
     ::
 
@@ -90,8 +90,11 @@ class allow_unsafe_extra_state:  # noqa: N801 - lower case like fc.autocast
             model.load_state_dict(torch.load(path, weights_only=False))
 
     Without it, a pickled ``_extra_state`` (TransformerEngine's format, say) is refused.
-    Only use it for files you trust: unpickling can execute arbitrary code. fastcast's own
-    state never needs it.
+    Inside it, the payload is unpickled by a restricted unpickler that builds only what
+    TransformerEngine's extra state needs (containers, tensors and storages, a nested
+    weights-only archive, inert stand-ins for its recipe classes) and refuses any other
+    global by name, so no payload runs code either way; still, load only files you trust.
+    fastcast's own state never needs it.
 
     The permission follows ``contextvars``, as ``fc.autocast`` does: it covers the code
     run in this context while the block is open, including asyncio tasks created and
@@ -286,9 +289,6 @@ def _metas(
 ) -> dict[int, ScalingMeta]:
     """Validated metas (on the CPU, holding copies) from per-direction ``(history, scale,
     origin)``; ``checked``: the values are known to be finite, amaxes >= 0, scales > 0."""
-    rows = {history.shape[0] for history, _, _ in parts.values() if history.dim() == 2}
-    if len(rows) > 1:
-        raise ValueError(f"{owner}: the directions' amax histories differ in length {sorted(rows)}")
     metas = {}
     for direction, (history, scale, origin) in parts.items():
         name = "forward" if direction == FORWARD else "backward"
@@ -306,6 +306,9 @@ def _metas(
         metas[direction] = ScalingMeta.holding(
             history, scale.detach().to("cpu", torch.float32, copy=True), origin
         )
+    rows = {meta.history.shape[0] for meta in metas.values()}
+    if len(rows) > 1:
+        raise ValueError(f"{owner}: the directions' amax histories differ in length {sorted(rows)}")
     return metas
 
 

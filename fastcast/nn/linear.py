@@ -27,7 +27,8 @@ from .weight_cache import WeightCache
 
 class Linear(nn.Linear):
     """Drop-in for ``nn.Linear``: same constructor, parameters and state-dict keys, plus
-    ``_extra_state`` (delayed-scaling amax histories and scales, as plain tensors).
+    ``_extra_state``: one small float32 tensor (``fastcast.checkpoint`` has its layout),
+    holding the delayed-scaling amax histories and scales when the module has them.
 
     Outside ``fc.autocast`` (or with ``enabled=False``) it computes exactly what
     ``nn.Linear`` does. Inside, forward, dgrad and wgrad GEMMs take quantized operands
