@@ -1,0 +1,400 @@
+"""Checkpoint flows users run, for every recipe, on a tiny Hugging Face Llama: save after
+two training steps, load into a freshly built model, and the next training step (loss,
+logits, every gradient, and the state it leaves) is bit-for-bit the original's.
+
+Flows: ``save_pretrained`` (loaded back into a converted model with ``load_state_dict``,
+and into a plain one with ``from_pretrained``), safetensors ``save_file``/``load_file``,
+``torch.save`` of the state dict with ``torch.load(weights_only=True, mmap=True)``, DCP
+into a model that has never run, ``torch.save`` of the whole model, and ``deepcopy``.
+
+Delayed-scaling state lives in per-thread slabs (``fastcast.state.thread_state`` is a
+``threading.local``; a fresh ``contextvars.Context`` shares its thread's), and a slab's
+update rolls the history of every member, run or not. So each model runs in a worker
+thread of its own, standing for a process: the original trains and takes its next step
+in one (the same process carrying on), every reloaded model or copy in another (a new
+process). The loaded model is always built with another seed, so a flow that lost the
+weights or the delayed-scaling state would show.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import fastcast as fc
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+RECIPES = {
+    "delayed": lambda: fc.DelayedScaling(amax_history_len=8),
+    "current": fc.Float8CurrentScaling,
+    "block": fc.Float8BlockScaling,
+    "mxfp8": fc.MXFP8BlockScaling,
+    "nvfp4": fc.NVFP4BlockScaling,
+}
+VOCAB = 128
+LR = 0.1
+EXTRA = "._extra_state"
+
+
+@pytest.fixture(params=list(RECIPES))
+def recipe(request):
+    return RECIPES[request.param]()
+
+
+def _config():
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+    )
+
+
+def _build(recipe, seed):
+    """A freshly built Llama (float32, CPU), converted with ``recipe``."""
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(_config())
+    model.train()
+    return fc.convert(model, recipe=recipe)
+
+
+def _batch(seed):
+    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+class Step(NamedTuple):
+    loss: torch.Tensor
+    logits: torch.Tensor
+    grads: dict[str, torch.Tensor]
+
+
+def _step(model, recipe, seed):
+    """One training step: forward and backward under fc.autocast, then plain SGD (no
+    GradScaler, no optimizer state). What it computed, before the update."""
+    model.zero_grad(set_to_none=True)
+    ids = _batch(seed)
+    with fc.autocast(recipe=recipe):
+        out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    step = Step(
+        out.loss.detach(),
+        out.logits.detach(),
+        {n: p.grad.clone() for n, p in model.named_parameters()},
+    )
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    model.zero_grad(set_to_none=True)
+    return step
+
+
+class Worker:
+    """A thread of its own for one model: its delayed-scaling slabs are nobody else's."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1)
+
+    def run(self, fn, *args):
+        return self._pool.submit(fn, *args).result(timeout=120)
+
+    def close(self):
+        self._pool.shutdown(wait=True)
+
+
+@pytest.fixture
+def worker():
+    """``worker()``: a new Worker, shut down after the test."""
+    made = []
+
+    def make():
+        made.append(Worker())
+        return made[-1]
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def _trained(recipe, worker, seed=0, steps=2):
+    """A converted Llama after ``steps`` training steps run on ``worker``."""
+    model = _build(recipe, seed)
+    for i in range(steps):
+        worker.run(_step, model, recipe, 100 + i)
+    return model
+
+
+NEXT = 1000  # the batch of the step after the checkpoint
+
+
+def _next_step(model, recipe, worker):
+    """The step after the checkpoint, on ``worker``."""
+    return worker.run(_step, model, recipe, NEXT)
+
+
+def _assert_same_step(a, b):
+    assert torch.equal(a.loss, b.loss), (a.loss, b.loss)
+    assert torch.equal(a.logits, b.logits)
+    assert a.grads.keys() == b.grads.keys()
+    unequal = [n for n in a.grads if not torch.equal(a.grads[n], b.grads[n])]
+    assert unequal == []
+
+
+def _snapshot(model):
+    """The model's state dict, cloned (parameters and fastcast extra states)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _differing(a, b):
+    """Keys whose values are not bit-for-bit equal; AssertionError if the keys differ.
+    ``a``/``b``: models or state dicts."""
+    a = a.state_dict() if isinstance(a, torch.nn.Module) else a
+    b = b.state_dict() if isinstance(b, torch.nn.Module) else b
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    return [
+        k
+        for k in a
+        if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])
+    ]
+
+
+def _extra_keys(sd):
+    return [k for k in sd if k.endswith(EXTRA)]
+
+
+def _fresh_differs(fresh, original, recipe):
+    """The model about to load differs from the original: in its weights, and, under
+    delayed scaling, in every layer's scales (so a flow that lost them would show)."""
+    diff = _differing(fresh, original)
+    assert any(not k.endswith(EXTRA) for k in diff)
+    if isinstance(recipe, fc.DelayedScaling):
+        assert set(_extra_keys(diff)) == set(_extra_keys(original.state_dict()))
+        for key in _extra_keys(original.state_dict()):
+            state = fc.read_extra_state(original.state_dict()[key])
+            assert state["kind"] == "delayed_scaling"
+            assert not torch.equal(state["forward"]["scale"], torch.ones(2))
+
+
+def _assert_resumes_like(loaded, original, trainer, recipe, worker):
+    """``loaded`` holds exactly ``original``'s state, and the next step of each (the
+    original on ``trainer``, the thread it trained on; ``loaded`` on a new one) is the
+    same, as is the state it leaves."""
+    assert _differing(loaded, original) == []
+    _assert_same_step(_next_step(loaded, recipe, worker()), _next_step(original, recipe, trainer))
+    assert _differing(loaded, original) == []
+
+
+def _load_strict(model, sd):
+    result = model.load_state_dict(sd, strict=True)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+
+
+# -- Hugging Face ------------------------------------------------------------------------------
+def _read_safetensors_dir(path):
+    """All tensors of a save_pretrained directory (shards merged)."""
+    files = sorted(path.glob("*.safetensors"))
+    assert files, sorted(p.name for p in path.iterdir())
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        listed = set(json.loads(index.read_text())["weight_map"].values())
+        assert listed == {f.name for f in files}
+    merged = {}
+    for f in files:
+        shard = safetensors_torch.load_file(f)
+        assert merged.keys().isdisjoint(shard)
+        merged.update(shard)
+    return merged
+
+
+@pytest.mark.parametrize("shard", [None, "200KB"], ids=["one-file", "sharded"])
+def test_save_pretrained_loads_into_a_converted_model(recipe, shard, worker, tmp_path):
+    trainer = worker()
+    original = _trained(recipe, trainer)
+    kwargs = {} if shard is None else {"max_shard_size": shard}
+    original.save_pretrained(tmp_path, **kwargs)
+    assert not list(tmp_path.glob("*.bin"))
+    assert (shard is not None) == (len(list(tmp_path.glob("*.safetensors"))) > 1)
+    loaded = _read_safetensors_dir(tmp_path)
+    assert loaded.keys() == original.state_dict().keys()  # no extra state left behind
+    for key in _extra_keys(loaded):
+        assert loaded[key].dtype == torch.float32 and loaded[key].dim() == 1
+
+    fresh = _build(recipe, seed=1)
+    _fresh_differs(fresh, original, recipe)
+    _load_strict(fresh, loaded)
+    _assert_resumes_like(fresh, original, trainer, recipe, worker)
+
+
+def test_save_pretrained_loads_into_a_plain_model(recipe, worker, tmp_path):
+    """``from_pretrained`` into an unconverted model: the weights load; the extra states
+    are reported as unexpected keys (transformers' load report), not an error."""
+    original = _trained(recipe, worker())
+    original.save_pretrained(tmp_path)
+    plain, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, output_loading_info=True
+    )
+    assert not any(isinstance(m, fc.Linear) for m in plain.modules())
+    assert not info["missing_keys"]
+    assert sorted(info["unexpected_keys"]) == sorted(_extra_keys(original.state_dict()))
+    assert not info["mismatched_keys"] and not info["error_msgs"]
+    expected = fc.strip_extra_state(original.state_dict())
+    assert _differing(plain.state_dict(), expected) == []
+    # The plain model computes what the converted one does outside fc.autocast.
+    ids = _batch(NEXT)
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=ids).logits, original(input_ids=ids).logits)
+
+
+# -- state-dict files ----------------------------------------------------------------------
+def test_safetensors_save_file_round_trip(recipe, worker, tmp_path):
+    trainer = worker()
+    original = _trained(recipe, trainer)
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(original.state_dict(), path)
+    fresh = _build(recipe, seed=1)
+    _fresh_differs(fresh, original, recipe)
+    _load_strict(fresh, safetensors_torch.load_file(path))
+    _assert_resumes_like(fresh, original, trainer, recipe, worker)
+
+
+def test_torch_save_state_dict_weights_only_mmap_round_trip(recipe, worker, tmp_path):
+    trainer = worker()
+    original = _trained(recipe, trainer)
+    path = tmp_path / "model.pt"
+    torch.save(original.state_dict(), path)
+    fresh = _build(recipe, seed=1)
+    _fresh_differs(fresh, original, recipe)
+    _load_strict(fresh, torch.load(path, weights_only=True, mmap=True))
+    _assert_resumes_like(fresh, original, trainer, recipe, worker)
+
+
+def test_the_next_step_sees_a_lost_delayed_scaling_state(worker):
+    """The comparisons above can fail: the weights alone (scales started afresh) give
+    another next step under delayed scaling."""
+    recipe = RECIPES["delayed"]()
+    trainer = worker()
+    original = _trained(recipe, trainer)
+    fresh = _build(recipe, seed=1)
+    _load_strict(fresh, fc.strip_extra_state(original.state_dict()))
+    assert _differing(fresh, original) == _extra_keys(original.state_dict())
+    lost = _next_step(fresh, recipe, worker())
+    assert not torch.equal(lost.logits, _next_step(original, recipe, trainer).logits)
+
+
+# -- torch.distributed.checkpoint ------------------------------------------------------------------
+# Single process, no process group. torch 2.13's DCP falls back to one process by itself
+# when torch.distributed is not initialised; no_dist=True asks for that explicitly. It
+# still warns "torch.distributed is disabled, unavailable or uninitialized, assuming the
+# intent is to save/load in a single process" (filtered below).
+_DCP_WARNING = "ignore:torch.distributed is disabled:UserWarning"
+
+
+@pytest.mark.filterwarnings(_DCP_WARNING)
+def test_dcp_round_trip_into_a_model_that_never_ran(recipe, worker, tmp_path):
+    trainer = worker()
+    original = _trained(recipe, trainer)
+    dcp.save({"model": original.state_dict()}, checkpoint_id=tmp_path, no_dist=True)
+    fresh = _build(recipe, seed=1)  # converted with the recipe: the trained layout
+    _fresh_differs(fresh, original, recipe)
+    sd = fresh.state_dict()
+    dcp.load({"model": sd}, checkpoint_id=tmp_path, no_dist=True)
+    _load_strict(fresh, sd)
+    _assert_resumes_like(fresh, original, trainer, recipe, worker)
+
+
+@pytest.mark.filterwarnings(_DCP_WARNING)
+@pytest.mark.parametrize(
+    ("saved", "loading"),
+    [("delayed", None), ("current", "delayed")],
+    ids=["delayed-into-unprepared", "stateless-into-delayed"],
+)
+def test_dcp_into_another_state_layout_is_an_error(saved, loading, worker, tmp_path):
+    """DCP loads in place, so the model must have the checkpoint's layout. A delayed
+    checkpoint (43-value states) into a model converted without a recipe (16-value
+    headers), or a stateless one into a delayed-scaling model, fails in DCP's load
+    planner, naming an extra-state key, before anything is written. (DCP raises a
+    CheckpointException, which derives from BaseException: ``except Exception`` misses
+    it.)"""
+    original = _trained(RECIPES[saved](), worker())
+    dcp.save({"model": original.state_dict()}, checkpoint_id=tmp_path, no_dist=True)
+    fresh = _build(None if loading is None else RECIPES[loading](), seed=1)
+    sd = fresh.state_dict()
+    before = _snapshot(fresh)
+    with pytest.raises(dcp.api.CheckpointException, match=r"Size mismatch .*\._extra_state"):
+        dcp.load({"model": sd}, checkpoint_id=tmp_path, no_dist=True)
+    assert _differing(sd, before) == []  # nothing half-loaded
+    assert _differing(fresh, before) == []
+
+
+# -- whole-model pickles and copies --------------------------------------------------------------
+def _copy(model, how, tmp_path):
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    path = tmp_path / "whole.pt"
+    torch.save(model, path)
+    return torch.load(path, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_copies_resume_alike_and_train_independently(recipe, how, worker, tmp_path):
+    trainer = worker()
+    original = _trained(recipe, trainer)
+    before = _snapshot(original)
+    twin = _copy(original, how, tmp_path)
+    assert twin is not original and _differing(twin, original) == []
+
+    # Training the copy moves its weights (and delayed scales), not the original's.
+    twin_step = _next_step(twin, recipe, worker())
+    moved = _differing(twin, before)
+    assert any(not k.endswith(EXTRA) for k in moved)
+    if isinstance(recipe, fc.DelayedScaling):
+        assert set(_extra_keys(moved)) == set(_extra_keys(before))
+    assert _differing(original, before) == []
+
+    # Training the original moves it exactly as the copy moved, and leaves the copy alone.
+    twin_after = _snapshot(twin)
+    _assert_same_step(_next_step(original, recipe, trainer), twin_step)
+    assert _differing(twin, twin_after) == []
+    assert _differing(original, twin) == []
+
+
+_SAME_SLAB = pytest.mark.xfail(
+    strict=True,
+    reason="library bug: models run under equal DelayedScaling recipes in one thread share "
+    "a slab (fastcast/schemes/delayed.py, keyed by (recipe, group) per threading.local "
+    "thread state), and Slab.update rolls every member's amax history, so training the "
+    "copy ages the original's history (a zero row per step) and moves its scales once an "
+    "amax leaves the window",
+)
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=_SAME_SLAB) if n == "delayed" else n for n in RECIPES]
+)
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_training_a_copy_on_the_same_thread_leaves_the_original_alone(name, how, worker, tmp_path):
+    """One process, one thread: the user trains a copy (an EMA/eval twin, or a model
+    reloaded from ``torch.save(model)``) next to the original."""
+    recipe = RECIPES[name]()
+    trainer = worker()
+    original = _trained(recipe, trainer)
+    before = _snapshot(original)
+    twin = _copy(original, how, tmp_path)
+    reference = copy.deepcopy(original)
+    trainer.run(_step, twin, recipe, NEXT)  # the copy trains where the original did
+    assert _differing(twin, before)
+    assert _differing(original, before) == []
+    # Nor does the original's next step change: it is what an untouched copy computes.
+    _assert_same_step(
+        _next_step(original, recipe, trainer), _next_step(reference, recipe, worker())
+    )
