@@ -291,7 +291,13 @@ class Slab:
         self.lost_members = False
 
     def update(self) -> None:
-        """Reduce this step's amaxes, compute new scales from the window, roll history."""
+        """Reduce this step's amaxes, compute new scales from the window, roll history.
+
+        Only columns that recorded an amax this step (row 0 > 0, after the reduction)
+        move: the others, a module that did not run (another model under an equal recipe,
+        an expert that got no tokens) or saw only zeros, keep their history and scale, so
+        one model's steps never age another's window.
+        """
         if self.lost_members and self.group is None:
             self._rebuild(self.live_members())
         if self.scale.numel() == 0:
@@ -314,7 +320,8 @@ class Slab:
             scale = recipe.scaling_factor_compute_algo(amax, self.scale, fmt_max, recipe)
         else:
             scale = scale_from_amax(amax, fmt_max, margin=recipe.margin, fallback=self.scale)
-        self.scale.copy_(scale)
+        ran = history[0] > 0
+        self.scale.copy_(torch.where(ran, scale, self.scale))
         if history.shape[0] > 1:
-            history.copy_(torch.roll(history, -1, dims=0))
+            history.copy_(torch.where(ran, torch.roll(history, -1, dims=0), history))
         history[0].zero_()

@@ -3,9 +3,9 @@ mmap), foreign pickled extra state (refused unread, or unpickled inside
 ``fc.allow_unsafe_extra_state()`` and converted from TransformerEngine's layout), and
 state dicts moving between ``nn.Linear`` and ``fc.Linear``.
 
-Delayed-scaling runs happen in a fresh ``contextvars.Context`` each (a registry of their
-own). Loading happens in the test's own context: the opt-in belongs to the thread state
-of the context that enters it.
+Delayed-scaling runs happen in a fresh ``contextvars.Context`` each (an autocast stack
+of their own). Loading happens in the test's own context: the opt-in belongs to the
+context that enters it.
 """
 
 from __future__ import annotations

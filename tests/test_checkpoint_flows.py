@@ -368,19 +368,7 @@ def test_copies_resume_alike_and_train_independently(recipe, how, worker, tmp_pa
     assert _differing(original, twin) == []
 
 
-_SAME_SLAB = pytest.mark.xfail(
-    strict=True,
-    reason="library bug: models run under equal DelayedScaling recipes in one thread share "
-    "a slab (fastcast/schemes/delayed.py, keyed by (recipe, group) per threading.local "
-    "thread state), and Slab.update rolls every member's amax history, so training the "
-    "copy ages the original's history (a zero row per step) and moves its scales once an "
-    "amax leaves the window",
-)
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=_SAME_SLAB) if n == "delayed" else n for n in RECIPES]
-)
+@pytest.mark.parametrize("name", list(RECIPES))
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_training_a_copy_on_the_same_thread_leaves_the_original_alone(name, how, worker, tmp_path):
     """One process, one thread: the user trains a copy (an EMA/eval twin, or a model

@@ -4,7 +4,7 @@ each format version, and loading into a model run with a different recipe.
 
 Expected scales are computed here in float64 from the recorded amaxes (``fmt_max /
 amax / 2**margin``), not by fastcast's code. Delayed-scaling runs happen in a fresh
-``contextvars.Context`` each.
+``contextvars.Context`` each (an autocast stack of their own).
 """
 
 from __future__ import annotations
@@ -409,3 +409,32 @@ def test_a_model_built_on_the_meta_device_loads_its_state():
     model.to_empty(device="cpu")
     model.load_state_dict({f"0.{k}": v for k, v in source.state_dict().items()})
     assert torch.equal(model[0].get_extra_state(), source.get_extra_state())
+
+
+def test_a_model_that_does_not_run_keeps_its_window_while_another_steps():
+    """Two models under equal recipes in one thread share slabs; stepping one must not
+    age the other's amax history (nor move its scales once an amax leaves the window)."""
+    recipe = fc.DelayedScaling(amax_history_len=4)
+
+    def step(model, value):
+        def run():
+            x = torch.full((16, 16), value, requires_grad=True)
+            with fc.autocast(recipe=recipe):
+                y = model(x)
+            y.sum().backward()
+
+        isolated(run)
+
+    a = fc.Linear(16, 16)
+    step(a, 8.0)
+    step(a, 1.0)
+    b = fc.Linear(16, 16)
+    step(b, 1.0)
+    assert a._metas[FORWARD].slab is b._metas[FORWARD].slab  # the case under test
+    before = {d: (m.history.clone(), m.scale.clone()) for d, m in a._metas.items()}
+    assert before[FORWARD][1][0].item() == 448.0 / 8.0
+    for _ in range(4):
+        step(b, 1.0)
+    for d, (history, scale) in before.items():
+        assert torch.equal(a._metas[d].history, history)
+        assert torch.equal(a._metas[d].scale, scale)

@@ -1,10 +1,10 @@
 """fc.Linear under DelayedScaling: when scales move, what they are, calibration,
 activation recomputation, and the delayed-scaling state in checkpoints and copies.
 
-Delayed-scaling state is per thread (each thread has its own registry and step claim),
-so every test that follows scales through steps runs in a fresh ``contextvars.Context``:
-it starts from an empty registry whatever other tests did in this thread, and leaves
-nothing behind.
+Tests that follow scales through steps run in a fresh ``contextvars.Context`` (an
+autocast stack of their own). The delayed-scaling slabs are per thread, so modules of
+other tests may share them; a slab update moves only the columns of modules that
+recorded an amax in the step, so those never change what a test observes.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 
 
 def isolated(fn, *args):
-    """Run ``fn`` with a thread state of its own (fresh delayed-scaling registry)."""
+    """Run ``fn`` in a fresh context (an autocast stack of its own)."""
     return contextvars.Context().run(fn, *args)
 
 
