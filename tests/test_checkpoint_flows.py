@@ -336,6 +336,33 @@ def test_dcp_into_another_state_layout_is_an_error(saved, loading, worker, tmp_p
     assert _differing(fresh, before) == []
 
 
+@pytest.mark.filterwarnings(_DCP_WARNING)
+@pytest.mark.parametrize(
+    ("saved", "loading"),
+    [("delayed", None), ("current", "delayed"), ("delayed", "delayed-16")],
+    ids=["delayed-into-unprepared", "stateless-into-delayed", "another-history-length"],
+)
+def test_dcp_with_fastcasts_planner_loads_any_state_layout(saved, loading, worker, tmp_path):
+    """``fastcast.dcp.LoadPlanner`` sizes the extra-state entries as saved: the model
+    then holds exactly the saved state, whatever layout it was built with."""
+    import fastcast.dcp
+
+    trainer = worker()
+    original = _trained(RECIPES[saved](), trainer)
+    dcp.save({"model": original.state_dict()}, checkpoint_id=tmp_path, no_dist=True)
+    target = {
+        None: None,
+        "delayed": RECIPES["delayed"](),
+        "delayed-16": fc.DelayedScaling(amax_history_len=16),
+    }[loading]
+    fresh = _build(target, seed=1)
+    sd = {"model": fresh.state_dict()}
+    dcp.load(sd, checkpoint_id=tmp_path, planner=fastcast.dcp.LoadPlanner(), no_dist=True)
+    _load_strict(fresh, sd["model"])
+    assert _differing(fresh, original) == []
+    _assert_resumes_like(fresh, original, trainer, RECIPES[saved](), worker)
+
+
 # -- whole-model pickles and copies --------------------------------------------------------------
 def _copy(model, how, tmp_path):
     if how == "deepcopy":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import fastcast
@@ -135,3 +137,14 @@ def test_function_never_imports_the_module_class():
 
 def test_ships_py_typed():
     assert (PACKAGE / "py.typed").is_file()
+
+
+def test_import_fastcast_leaves_dcp_unimported():
+    """``fastcast.dcp`` imports torch.distributed.checkpoint; ``import fastcast`` must not
+    pay for it (a fresh interpreter: this one has imported everything already)."""
+    code = (
+        "import sys, fastcast; "
+        "print('fastcast.dcp' in sys.modules, 'torch.distributed.checkpoint' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
