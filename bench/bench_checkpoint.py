@@ -16,8 +16,11 @@ Saving includes ``state_dict()`` (which calls ``get_extra_state``); loading incl
 ``load_state_dict`` into an already-built model of the same kind (which calls
 ``set_extra_state``). Each save entry records the file's size in
 ``benchmark.extra_info["bytes"]``. fastcast's per-layer extra state is a small float32
-tensor, so against the parameters it should cost next to nothing in time or in bytes:
-the targets ask for 1.1x of ``nn.Linear`` in each. Files go to a temporary directory
+tensor (64 bytes stateless; 268 here with delayed scaling), so it costs next to nothing
+in bytes; the targets ask for 1.1x of ``nn.Linear`` in each. Loading pays per entry:
+the readers spend about 14 µs (safetensors) and 40 µs (``torch.load`` with mmap) per
+tensor on this machine whatever its size, and a delayed-scaling state takes ~55 µs to
+validate and install; against a 1 MB layer that shows, against larger layers it fades. Files go to a temporary directory
 that is removed after each test, never into the repository.
 """
 
