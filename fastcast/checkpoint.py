@@ -118,6 +118,14 @@ def encode_extra_state(metas: dict[int, ScalingMeta]) -> torch.Tensor:
     """The module's state as a new float32 CPU tensor (layout in the module docstring)."""
     if not metas:
         return torch.tensor(_STATELESS_HEADER)
+    if not (metas.keys() <= {FORWARD, BACKWARD}) or not all(
+        isinstance(m, ScalingMeta) for m in metas.values()
+    ):
+        # Another scheme kept per-module state this format cannot hold: never drop it.
+        raise ValueError(
+            "fc.Linear holds per-module state that fastcast's checkpoint format does not "
+            f"know ({sorted(map(repr, metas))}); only DelayedScaling's state can be saved"
+        )
     parts = [metas[d] for d in (FORWARD, BACKWARD) if d in metas]
     rows = parts[0].history.shape[0]
     if any(m.history.shape[0] != rows for m in parts):

@@ -438,3 +438,12 @@ def test_a_model_that_does_not_run_keeps_its_window_while_another_steps():
     for d, (history, scale) in before.items():
         assert torch.equal(a._metas[d].history, history)
         assert torch.equal(a._metas[d].scale, scale)
+
+
+def test_state_the_format_cannot_hold_is_an_error_not_dropped():
+    """A third-party scheme that keeps per-module state in ``module_state`` (the module's
+    ``_metas``) cannot be saved by this format: saving says so."""
+    lin = fc.Linear(16, 16)
+    lin._metas["my_scheme"] = torch.ones(3)
+    with pytest.raises(ValueError, match="does not know"):
+        lin.state_dict()

@@ -113,7 +113,8 @@ class Scheme:
         self, frame: AutocastFrame, module_state: dict[Any, Any], device: torch.device
     ) -> Plan:
         """A module's plan for ``frame``; stateful schemes keep per-module state in
-        ``module_state`` (the module's, saved in its checkpoints)."""
+        ``module_state`` (the module's; the checkpoint format saves ``ScalingMeta``s per
+        direction, and refuses to save anything else rather than drop it)."""
         recipe = frame.recipe
         quantizers = self.quantizers(recipe, frame.group)
         return Plan(recipe, frame.group, quantizers, self.row_alignment(recipe))
