@@ -20,8 +20,9 @@ tensor (64 bytes stateless; 268 here with delayed scaling), so it costs next to 
 in bytes; the targets ask for 1.1x of ``nn.Linear`` in each. Loading pays per entry:
 the readers spend about 14 µs (safetensors) and 40 µs (``torch.load`` with mmap) per
 tensor on this machine whatever its size, and a delayed-scaling state takes ~55 µs to
-validate and install; against a 1 MB layer that shows, against larger layers it fades. Files go to a temporary directory
-that is removed after each test, never into the repository.
+validate and install; against a 1 MB layer that shows, against larger layers it fades.
+Files go to a temporary directory that is removed after each test, never into the
+repository.
 """
 
 from __future__ import annotations

@@ -209,10 +209,17 @@ def _decode_tensor(state: torch.Tensor, owner: str) -> dict[int, ScalingMeta]:
             f"unsupported fastcast extra state version {version!r} (this fastcast reads "
             f"versions 1 and {VERSION}; a newer fastcast wrote it?)"
         )
-    if len(raw) < HEADER or raw[_HEADER_LEN] != HEADER:
+    if len(raw) < HEADER:
         raise refuse(f"fastcast extra state header is truncated ({flat.numel()} values)")
-    if not all(math.isfinite(v) and v == int(v) for v in raw):
-        raise refuse("fastcast extra state header must hold integers")
+    if raw[_HEADER_LEN] != HEADER:
+        raise refuse(
+            f"fastcast extra state header length field is {raw[_HEADER_LEN]}, not {HEADER}"
+        )
+    odd = [(i, v) for i, v in enumerate(raw) if not (math.isfinite(v) and v == int(v))]
+    if odd:
+        raise refuse(
+            f"fastcast extra state header must hold integers; slot {odd[0][0]} holds {odd[0][1]}"
+        )
     head = [int(v) for v in raw]
     kind = head[_KIND]
     if kind == STATELESS:
