@@ -228,7 +228,8 @@ class Linear(nn.Linear):
         device = self.weight.device
         if device.type != "meta":
             for meta in self._metas.values():
-                meta.move_to(device)
+                if meta.history.device != device:
+                    meta.move_to(device)
         self._plan = None
         self._weight_cache.clear()
         return self
