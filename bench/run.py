@@ -10,8 +10,9 @@ This is what ``make bench`` runs, from the repository root. It
 2. prints a table per benchmark group (median and IQR per iteration, ratio to the
    group's fastest entry) and a table of targets (measured ratio, limit, PASS/MISS),
    and writes the same tables in Markdown to ``bench/results/summary.md``;
-3. runs ``python -m bench.train_step`` in a subprocess when ``bench/train_step.py``
-   exists, printing its output;
+3. runs ``python -m bench.train_step`` and ``python -m bench.train_step --compile``
+   (compiled vs eager steps, compile times, torchao as the peer) in subprocesses when
+   ``bench/train_step.py`` exists, printing their output;
 4. with ``--update-sample`` (``make bench-sample``), after a successful full run, copies
    ``latest.json`` to ``bench/results/sample.json``, less the raw per-round timings (the
    one result file under version control). A plain ``make bench`` changes no tracked file.
@@ -312,11 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\npytest failed with exit status {rc}", file=sys.stderr)
 
     if (BENCH_DIR / "train_step.py").exists():
-        print("\n$ python -m bench.train_step", flush=True)
-        step_rc = subprocess.call([sys.executable, "-m", "bench.train_step"])
-        if step_rc != 0:
-            print(f"bench.train_step failed with exit status {step_rc}", file=sys.stderr)
-            rc = rc or step_rc
+        for extra in ([], ["--compile"]):
+            shown = " ".join(["python -m bench.train_step", *extra])
+            print(f"\n$ {shown}", flush=True)
+            step_rc = subprocess.call([sys.executable, "-m", "bench.train_step", *extra])
+            if step_rc != 0:
+                print(f"{shown} failed with exit status {step_rc}", file=sys.stderr)
+                rc = rc or step_rc
     return rc
 
 

@@ -24,6 +24,15 @@ inside ``fc.autocast(recipe=...)``; the loss, backward and optimizer step stay o
 as users write them. The bf16 run keeps ``nn.Linear`` and runs the forward under
 ``torch.autocast(dtype=torch.bfloat16)``.
 
+``--compile`` runs every recipe twice, eager and under ``torch.compile(fullgraph=True)``
+(the forward and loss compiled, ``fc.autocast`` entered inside the compiled function;
+backward and optimizer step outside, as torchao's float8 recipe is usually run), and
+prints compiled vs eager step time and the compile time: cold (a fresh Inductor cache
+directory) and warm (the same graphs again after ``torch._dynamo.reset()``, served from
+Inductor's on-disk cache). ``torchao`` (``convert_to_float8_training``, per-tensor
+dynamic scaling) is the peer of ``current``; it is skipped when torchao is missing. A
+recipe that fails to compile is reported with the first line of its error.
+
 Data: a fixed random teacher (``tanh`` MLP) maps Gaussian inputs to targets scaled to
 unit variance; every run sees the same pre-generated batches (one fresh batch per
 step) and AdamW with the same settings. ``run()`` is the API tests call.
@@ -45,7 +54,8 @@ from torch import nn
 
 import fastcast as fc
 
-RECIPES = ("fp32", "bf16", "delayed", "current", "block", "mxfp8", "nvfp4")
+RECIPES = ("fp32", "bf16", "delayed", "current", "block", "mxfp8", "nvfp4", "torchao")
+DEFAULT_RECIPES = RECIPES[:-1]  # torchao runs when asked for, and in --compile runs
 HIGH_PRECISION = ("fp32", "bf16")  # in order of preference as the loss reference
 QUANTIZED: dict[str, Callable[[], fc.Recipe]] = {
     "delayed": fc.DelayedScaling,
@@ -125,7 +135,7 @@ def _forward_context(name: str, device: torch.device) -> Callable[[], Any]:
         return lambda: fc.autocast(recipe=recipe)
     if name == "bf16":
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-    if name == "fp32":
+    if name in ("fp32", "torchao"):
         return contextlib.nullcontext
     raise ValueError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
 
@@ -139,8 +149,13 @@ def run(
     lr: float = DEFAULTS["lr"],
     seed: int = DEFAULTS["seed"],
     device: str | torch.device | None = None,
+    compile: bool = False,
 ) -> dict[str, Any]:
     """Train one model with ``recipe_name`` (one of ``RECIPES``) and measure it.
+
+    ``compile``: the forward and loss run under ``torch.compile(fullgraph=True)``; the
+    result then has ``compile_s``, step 0's time beyond a median step (compilation of the
+    forward and, at the first backward, of the backward graph).
 
     Returns a dict with ``recipe``, ``device``, ``steps``, ``converted`` (number of
     ``fc.Linear`` layers), ``losses`` (per step), ``final_loss`` (mean of the last
@@ -158,7 +173,16 @@ def run(
     model = MLPStack(width, depth).to(device)
     if recipe_name in QUANTIZED:
         fc.convert(model, recipe=QUANTIZED[recipe_name]())
+    elif recipe_name == "torchao":
+        _torchao_float8(model)
     converted = sum(isinstance(m, fc.Linear) for m in model.modules())
+
+    def forward_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with forward_context():
+            out = model(x)
+        return F.mse_loss(out.float(), y)
+
+    step_loss = torch.compile(forward_loss, fullgraph=True) if compile else forward_loss
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     inputs, targets = make_data(width, batch, steps, seed, device)
 
@@ -174,9 +198,7 @@ def run(
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
-        with forward_context():
-            out = model(x)
-        loss = F.mse_loss(out.float(), y)
+        loss = step_loss(x, y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -186,6 +208,8 @@ def run(
             torch.cuda.synchronize(device)
         t_done = time.perf_counter()
         losses.append(loss.detach())
+        if step == 0:
+            first_s = t_done - t0
         if step >= min(WARMUP_STEPS, steps - 1):
             cpu_s.append(t_enqueued - t0)
             step_s.append(t_done - t0)
@@ -204,7 +228,18 @@ def run(
         "step_ms": 1e3 * statistics.median(step_s),
         "cpu_ms": 1e3 * statistics.median(cpu_s),
         "gpu_ms": statistics.median(gpu_ms) if gpu_ms else None,
+        "compile_s": max(0.0, first_s - statistics.median(step_s)) if compile else None,
     }
+
+
+def _torchao_float8(model: nn.Module) -> None:
+    """torchao's float8 training (per-tensor dynamic scaling), in place; a RuntimeError
+    (reported as SKIPPED) when torchao is missing."""
+    try:
+        from torchao.float8 import convert_to_float8_training  # noqa: PLC0415 - optional
+    except ImportError as exc:
+        raise RuntimeError(f"torchao.float8 is not importable: {exc}") from exc
+    convert_to_float8_training(model)
 
 
 def loss_ratio(result: dict[str, Any], reference: dict[str, Any]) -> float:
@@ -236,8 +271,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     p.add_argument(
         "--recipes",
-        default=",".join(RECIPES),
-        help=f"comma-separated subset of {','.join(RECIPES)} (default: all)",
+        default=None,
+        help=f"comma-separated subset of {','.join(RECIPES)} (default: all but torchao; "
+        "with --compile, all)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run each recipe eager and under torch.compile(fullgraph=True); compare",
     )
     p.add_argument("--device", default=default_device(), help="default: cuda if available")
     p.add_argument(
@@ -247,7 +288,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="torch intra-op threads; 0: torch's choice (default: 1 on CPU, torch's on CUDA)",
     )
     args = p.parse_args(argv)
-    names = [n.strip() for n in args.recipes.split(",") if n.strip()]
+    default = RECIPES if args.compile else DEFAULT_RECIPES
+    names = [n.strip() for n in (args.recipes or ",".join(default)).split(",") if n.strip()]
     unknown = [n for n in names if n not in RECIPES]
     if unknown or not names:
         p.error(f"--recipes: unknown {unknown or 'empty list'}; choose from {','.join(RECIPES)}")
@@ -272,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if threads > 0:
         torch.set_num_threads(threads)
     try:
-        return _run_all(args, device)
+        return _run_compiled(args, device) if args.compile else _run_all(args, device)
     finally:  # main() may be called in-process (tests): leave the thread count as it was
         torch.set_num_threads(saved_threads)
 
@@ -367,6 +409,86 @@ def _print_table(results: dict[str, dict[str, Any]], skipped: dict[str, str], cu
     print(line(["-" * w for w in widths]))
     for row in rows:
         print(line(row))
+
+
+def _run_compiled(args: argparse.Namespace, device: torch.device) -> int:
+    """``--compile``: each recipe eager, compiled (cold Inductor cache), and compiled
+    again after ``torch._dynamo.reset()`` (warm cache: only the compile time is kept).
+    Targets: a compiled FP8/FP4 step <= 0.6x its eager step; compiled ``current`` <=
+    compiled torchao."""
+    import tempfile  # noqa: PLC0415 - only here
+
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir  # noqa: PLC0415
+
+    print(
+        f"train_step --compile: width {args.width}, depth {args.depth}, batch {args.batch}, "
+        f"steps {args.steps}, device {device} ({_plural(torch.get_num_threads(), 'thread')}), "
+        f"torch {torch.__version__}; torch.compile(fullgraph=True) of forward + loss"
+    )
+    sizes = (args.width, args.depth, args.batch)
+    rows: list[list[str]] = []
+    compiled: dict[str, dict[str, Any]] = {}
+    for name in args.recipes:
+        try:
+            eager = run(name, *sizes, args.steps, args.lr, args.seed, device)
+        except RuntimeError as exc:  # a recipe this machine cannot run
+            rows.append([name, "skipped", "", "", "", "", "", str(exc).splitlines()[0][:50]])
+            continue
+        with tempfile.TemporaryDirectory(prefix="fastcast-inductor-") as cache:
+            with temporary_cache_dir(cache):
+                try:
+                    torch._dynamo.reset()
+                    cold = run(name, *sizes, args.steps, args.lr, args.seed, device, compile=True)
+                    torch._dynamo.reset()
+                    warm = run(name, *sizes, WARMUP_STEPS + 2, args.lr, args.seed, device, True)
+                except Exception as exc:  # noqa: BLE001 - reported, the others still run
+                    first = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    print(f"{name:>8}: eager {_fmt(eager['step_ms'])} ms; compile failed: {first}")
+                    rows.append(
+                        [name, _fmt(eager["step_ms"]), "failed", "", "", "", "", first[:50]]
+                    )
+                    continue
+                finally:
+                    torch._dynamo.reset()
+        compiled[name] = cold
+        ratio = cold["step_ms"] / eager["step_ms"]
+        print(
+            f"{name:>8}: eager {_fmt(eager['step_ms'])} ms, compiled {_fmt(cold['step_ms'])} ms "
+            f"({ratio:.2f}x), compile {cold['compile_s']:.1f} s cold / "
+            f"{warm['compile_s']:.1f} s warm, final loss {_fmt(cold['final_loss'], '.4f')} "
+            f"(eager {_fmt(eager['final_loss'], '.4f')})",
+            flush=True,
+        )
+        rows.append(
+            [
+                name,
+                _fmt(eager["step_ms"]),
+                _fmt(cold["step_ms"]),
+                f"{ratio:.2f}x"
+                + (f" {'PASS' if ratio <= 0.6 else 'MISS'}" if name in QUANTIZED else ""),
+                f"{cold['compile_s']:.1f}",
+                f"{warm['compile_s']:.1f}",
+                _fmt(cold["final_loss"], ".4f"),
+                "",
+            ]
+        )
+    if "current" in compiled and "torchao" in compiled:  # the peer, compiled both
+        ratio = compiled["current"]["step_ms"] / compiled["torchao"]["step_ms"]
+        verdict = "PASS" if ratio <= 1.0 else "MISS"
+        next(r for r in rows if r[0] == "current")[-1] = f"{ratio:.2f}x torchao ({verdict} <= 1x)"
+    headers = ["recipe", "eager ms", "compiled ms", "ratio", "cold s", "warm s", "loss", "note"]
+    widths = (
+        [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)] if rows else []
+    )
+    print()
+    for cells in (headers, ["-" * w for w in widths], *rows):
+        print(
+            "  ".join(
+                c.ljust(w) if i in (0, 7) else c.rjust(w)
+                for i, (c, w) in enumerate(zip(cells, widths))
+            )
+        )
+    return 0
 
 
 if __name__ == "__main__":

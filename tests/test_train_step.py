@@ -73,3 +73,9 @@ def test_unknown_recipe_is_refused():
         train_step.parse_args(["--recipes", "fp32,fp9"])
     with pytest.raises(ValueError, match="unknown recipe"):
         train_step.run("fp9", device="cpu", **{**SIZE, "steps": 1})
+
+
+def test_compile_mode_runs_every_recipe_and_torchao_only_when_asked():
+    assert "torchao" not in train_step.parse_args([]).recipes
+    assert train_step.parse_args(["--compile"]).recipes == list(train_step.RECIPES)
+    assert train_step.parse_args(["--recipes", "torchao,fp32"]).recipes == ["fp32", "torchao"]
