@@ -8,11 +8,11 @@ and into a plain one with ``from_pretrained``), safetensors ``save_file``/``load
 into a model that has never run, ``torch.save`` of the whole model, and ``deepcopy``.
 
 Delayed-scaling state lives in per-thread slabs (``fastcast.state.thread_state`` is a
-``threading.local``; a fresh ``contextvars.Context`` shares its thread's), and a slab's
-update rolls the history of every member, run or not. So each model runs in a worker
-thread of its own, standing for a process: the original trains and takes its next step
-in one (the same process carrying on), every reloaded model or copy in another (a new
-process). The loaded model is always built with another seed, so a flow that lost the
+``threading.local``; a fresh ``contextvars.Context`` shares its thread's). A slab update
+moves only the columns of modules that ran, so models sharing a thread stay apart (the
+copy tests check exactly that); still, each model runs in a worker thread of its own,
+standing for a process: the original trains and takes its next step in one (the same
+process carrying on), every reloaded model or copy in another (a new process). The loaded model is always built with another seed, so a flow that lost the
 weights or the delayed-scaling state would show.
 """
 
