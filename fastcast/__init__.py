@@ -1,5 +1,6 @@
 """fastcast: FP8 and FP4 mixed precision for PyTorch training with almost no CPU overhead."""
 
+from . import dynamo as _dynamo  # noqa: F401 - registers the Dynamo polyfills
 from .autocast import autocast
 from .checkpoint import allow_unsafe_extra_state, read_extra_state, strip_extra_state
 from .gemm import scaled_mm

@@ -81,6 +81,10 @@ class LinearFunction(torch.autograd.Function):
             w_q.columnwise_operand() if need_dgrad else None,
         ]
         tensors, ctx.shells = _strip_tensors(saved)
+        if torch.compiler.is_compiling():
+            # A traced autograd Function cannot save views of its intermediates (transposed
+            # layouts often are): compiled code saves copies, which Inductor fuses.
+            tensors = [t.clone(memory_format=torch.contiguous_format) for t in tensors]
         ctx.save_for_backward(*tensors)
         ctx.call = call
         ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -138,7 +142,9 @@ def _restore_tensors(tensors: tuple[torch.Tensor, ...], shells: list) -> list[An
         if shell is None:
             out.append(None)
             continue
-        item, names = shell
+        # A fresh copy of the shell: backward may run more than once (retain_graph), and
+        # Dynamo does not let backward mutate an object made by forward.
+        item, names = shell[0]._clone_meta(), shell[1]
         for name in names:
             setattr(item, name, next(it))
         out.append(item)
