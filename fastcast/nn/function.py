@@ -142,9 +142,9 @@ def _restore_tensors(tensors: tuple[torch.Tensor, ...], shells: list) -> list[An
         if shell is None:
             out.append(None)
             continue
-        # A fresh copy of the shell: backward may run more than once (retain_graph), and
-        # Dynamo does not let backward mutate an object made by forward.
-        item, names = shell[0]._clone_meta(), shell[1]
+        item, names = shell
+        if torch.compiler.is_compiling():  # traced backward may not mutate forward's objects
+            item = item._clone_meta()
         for name in names:
             setattr(item, name, next(it))
         out.append(item)
