@@ -24,6 +24,7 @@ import threading
 from typing import Any
 
 import torch
+from torch._dynamo import assume_constant_result
 
 from . import state as _state
 from .nn.linear import plan_for
@@ -51,7 +52,7 @@ def _set_both(stack: Stack) -> None:
     _compiled.stack = stack
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _sync_from_eager() -> bool:
     """Runs for real while tracing: from the first trace on, eager autocast mirrors its
     stack (compiled code traced without an autocast must see one entered later)."""
