@@ -1,5 +1,6 @@
 """fastcast: FP8 and FP4 mixed precision for PyTorch training with almost no CPU overhead."""
 
+from ._on_import import register_when_dynamo_imported
 from .autocast import autocast
 from .checkpoint import allow_unsafe_extra_state, read_extra_state, strip_extra_state
 from .gemm import scaled_mm
@@ -26,6 +27,8 @@ from .state import get_autocast_recipe, is_autocast_enabled
 from .tensor import QuantizedTensor, TensorProto
 
 __version__ = "0.1.0"
+
+register_when_dynamo_imported()  # torch.compile support (fastcast.dynamo), imported lazily
 
 __all__ = [
     "CustomRecipe",

@@ -10,7 +10,7 @@ from . import state as _state
 from .hardware import default_device_type, on_refresh
 from .recipe import Recipe
 from .schemes import default_recipe, scheme_for
-from .state import BOTTOM, AutocastFrame, Stack, get_stack, set_stack, thread_state
+from .state import AutocastFrame, Stack, get_stack, set_stack, thread_state
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -75,7 +75,8 @@ class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
         below = get_stack()
         if self.recipe.__class__ not in _runnable:
             self._check_recipe()
-        if below is not BOTTOM:  # nested: refuse this instance if it is already below
+        if below[1] is not None:  # nested (BOTTOM alone has nothing below): refuse this
+            # instance if it is already below. (Dynamo cannot trace `is` between tuples.)
             node = below
             while node is not None:
                 if node[0] is self:

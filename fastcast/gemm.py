@@ -63,7 +63,9 @@ def scaled_mm(
         # Reshape the fresh contiguous product in place rather than return a view: an
         # autograd Function's view output would forbid in-place ops after the layer
         # (y += residual, ReLU(inplace=True)) that nn.Linear's output allows.
-        out = out.resize_(*a.shape[:-1], b.shape[0])
+        shape = (*a.shape[:-1], b.shape[0])
+        # (Dynamo cannot trace resize_; a compiled graph has no such view restriction.)
+        out = out.reshape(shape) if torch.compiler.is_compiling() else out.resize_(*shape)
     return out
 
 

@@ -148,3 +148,18 @@ def test_import_fastcast_leaves_dcp_unimported():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_import_fastcast_leaves_dynamo_unimported_until_torch_compile_needs_it():
+    """``import fastcast`` does not pay the second ``torch._dynamo`` takes to import; the
+    polyfills of ``fastcast.dynamo`` are registered when it is imported, before or after."""
+    code = (
+        "import sys, fastcast; m = sys.modules; "
+        "print('torch._dynamo' in m, 'fastcast.dynamo' in m); "
+        "import torch._dynamo; print('fastcast.dynamo' in m)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "True"]
+    code = "import sys, torch._dynamo, fastcast; print('fastcast.dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True"]

@@ -81,6 +81,10 @@ class LinearFunction(torch.autograd.Function):
             w_q.columnwise_operand() if need_dgrad else None,
         ]
         tensors, ctx.shells = _strip_tensors(saved)
+        if torch.compiler.is_compiling():
+            # A traced autograd Function cannot save views of its intermediates (transposed
+            # layouts often are): compiled code saves copies, which Inductor fuses.
+            tensors = [t.clone(memory_format=torch.contiguous_format) for t in tensors]
         ctx.save_for_backward(*tensors)
         ctx.call = call
         ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -139,6 +143,8 @@ def _restore_tensors(tensors: tuple[torch.Tensor, ...], shells: list) -> list[An
             out.append(None)
             continue
         item, names = shell
+        if torch.compiler.is_compiling():  # traced backward may not mutate forward's objects
+            item = item._clone_meta()
         for name in names:
             setattr(item, name, next(it))
         out.append(item)

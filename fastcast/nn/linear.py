@@ -102,7 +102,7 @@ class Linear(nn.Linear):
                 _check_dtypes(x, weight, bias)
             if x.numel() == 0:  # nothing to quantize (an MoE expert without tokens, say)
                 return F.linear(x, weight, bias)
-            plan = self._plan_for(frame, weight)
+            plan = plan_for(self, frame, weight)
             autograd = torch.is_grad_enabled() and (
                 x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
             )
@@ -129,14 +129,6 @@ class Linear(nn.Linear):
         name = self._fc_name
         return f"fc.Linear {name!r} ({features})" if name else f"fc.Linear({features})"
 
-    def _plan_for(self, frame: AutocastFrame, weight: torch.Tensor) -> Plan:
-        """This module's plan for the frame's (recipe, group), rebuilt only when it changes."""
-        plan = self._plan
-        if plan is None or not plan.matches(frame):
-            scheme = scheme_for(frame.recipe)
-            plan = self._plan = scheme.plan(frame, self._metas, weight.device)
-        return plan
-
     def _checkpointed(
         self, frame: AutocastFrame, log: RecomputeLog, recomputing: bool
     ) -> tuple[AutocastFrame, Any, Any]:
@@ -150,7 +142,7 @@ class Linear(nn.Linear):
 
     def _calibrate(self, x: torch.Tensor, weight: torch.Tensor, frame: AutocastFrame) -> None:
         """High-precision run that lets stateful schemes record what they need."""
-        self._plan_for(frame, weight).calibrate(x, weight)
+        plan_for(self, frame, weight).calibrate(x, weight)
 
     # -- state: _extra_state, loading, device moves, pickling -------------------------------
     def prepare_state(self, recipe: Recipe) -> None:
@@ -267,6 +259,18 @@ def validate_extra_states(
     # still the same object then), rather than decoding it a second time.
     for sub, state, metas in checked:
         sub.__dict__["_fc_checked"] = (state, metas)
+
+
+def plan_for(module: Linear, frame: AutocastFrame, weight: torch.Tensor) -> Plan:
+    """``module``'s plan for the frame's (recipe, group), rebuilt only when it changes.
+
+    (A function, not a method, so that ``fastcast.dynamo`` can give compiled code its own.)
+    """
+    plan = module._plan
+    if plan is None or not plan.matches(frame):
+        scheme = scheme_for(frame.recipe)
+        plan = module._plan = scheme.plan(frame, module._metas, weight.device)
+    return plan
 
 
 # Exceptions forward re-raises with the layer's name in front (exact types only).

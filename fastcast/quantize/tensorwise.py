@@ -41,10 +41,11 @@ def quantize_with_scale(
     data = scale_and_cast(x, scale, fmt)
     # Per-tensor FP8 transposes exactly: the column-wise layout is the transposed data.
     # CUDA kernels need it materialised; the CPU kernel and the emulation take the view.
+    # So does Inductor's lowering of the CPU kernel: compiled code materialises it too.
     data_t = None
     if columnwise:
         data_t = as_matrix(data).t()
-        if data_t.device.type != "cpu":
+        if data_t.device.type != "cpu" or torch.compiler.is_compiling():
             data_t = data_t.contiguous()
     # A fresh tensor, so a later in-place scale update cannot change what this holds.
     scale_inv = scale.reciprocal()

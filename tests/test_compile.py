@@ -1,0 +1,127 @@
+"""``torch.compile(fullgraph=True)`` with ``fc.autocast`` inside and outside the compiled
+region (Float8CurrentScaling): compiled runs match eager and recompile only when the
+autocast state changes. Each compile costs seconds here, so the tests are few."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import fastcast as fc
+from fastcast.quantize.tensorwise import CurrentScalingQuantizer
+
+pytestmark = pytest.mark.compile
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return fc.convert(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)))
+
+
+def _step(model, fn, x, recipe):
+    """Loss and parameter gradients of one forward and backward."""
+    for p in model.parameters():
+        p.grad = None
+    loss = fn(model, x, recipe)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _loss_inside(model, x, recipe):
+    with fc.autocast(recipe=recipe):
+        y = model(x)
+    return y.square().mean()
+
+
+def _assert_matches(got, want):
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-7)
+    for g, w in zip(got[1], want[1]):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-7)
+
+
+def test_autocast_inside_compiled_function():
+    model, x = _mlp(), torch.randn(32, 64)
+    recipe = fc.Float8CurrentScaling()
+    eager = _step(model, _loss_inside, x, recipe)
+    high = _step(model, lambda m, x, r: m(x).square().mean(), x, recipe)
+    assert not torch.equal(eager[0], high[0])  # FP8 ran: the comparison below means something
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(_loss_inside, backend=counter, fullgraph=True)
+    _assert_matches(_step(model, compiled, x, recipe), eager)
+    _assert_matches(_step(model, compiled, x, fc.Float8CurrentScaling()), eager)
+    assert counter.frame_count == 1  # the same recipe again, or an equal one: no recompile
+
+    other = fc.Float8CurrentScaling(fp8_format=fc.Format.E4M3)
+    _assert_matches(_step(model, compiled, x, other), _step(model, _loss_inside, x, other))
+    _step(model, compiled, x, recipe)
+    assert counter.frame_count == 2  # another recipe compiles once; the first is still cached
+
+
+def test_compiled_model_under_eager_autocast():
+    model, x = _mlp(), torch.randn(4, 8, 64)  # 3-D input: leading dims are flattened
+    recipe = fc.Float8CurrentScaling()
+    eager = _step(model, _loss_inside, x, recipe)
+    high = _step(model, lambda m, x, r: m(x).square().mean(), x, recipe)
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(copy.deepcopy(model), backend=counter, fullgraph=True)
+    _assert_matches(_step(compiled, _loss_inside, x, recipe), eager)
+    _assert_matches(_step(compiled, _loss_inside, x, fc.Float8CurrentScaling()), eager)
+    assert counter.frame_count == 1
+    # Outside any autocast the compiled model must run in high precision (a guard fails).
+    _assert_matches(_step(compiled, lambda m, x, r: m(x).square().mean(), x, recipe), high)
+    assert counter.frame_count == 2
+    # Disabled autocast: high precision again, from its own graph.
+    with fc.autocast(False, recipe=recipe):
+        out = compiled(x)
+    torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-7)
+    _assert_matches(_step(compiled, _loss_inside, x, recipe), eager)
+    assert counter.frame_count == 3
+
+
+def test_compiled_quantize_codes_bitwise():
+    x = torch.randn(48, 80) * 3
+    x[0, 0] = float("inf")  # non-finite handling is traced too
+    for fmt in ("e4m3", "e5m2"):
+        quantizer = CurrentScalingQuantizer(fmt=fmt)
+
+        def quantize(x, quantizer=quantizer):
+            q = quantizer.quantize(x, rowwise=True, columnwise=True)
+            return q.data, q.scale_inv, q.data_t
+
+        want = quantize(x[1:])
+        got = torch.compile(quantize, fullgraph=True)(x[1:])
+        for g, w in zip(got, want):  # FP8 codes compared as bytes (NaN codes included)
+            assert g.dtype == w.dtype and g.shape == w.shape
+            assert torch.equal(_bits(g), _bits(w))
+        got_inf = torch.compile(quantize, fullgraph=True)(x)
+        want_inf = quantize(x)
+        # With an inf in E4M3: the same NaN positions and codes elsewhere; Inductor may set
+        # the NaN's sign bit where eager does not (0xFF vs 0x7F), so NaNs compare as NaN.
+        nan = want_inf[0].float().isnan()
+        assert torch.equal(got_inf[0].float().isnan(), nan) and nan.any() == (fmt == "e4m3")
+        assert torch.equal(_bits(got_inf[0][~nan]), _bits(want_inf[0][~nan]))
+        assert torch.equal(got_inf[1], want_inf[1])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8 if t.element_size() == 1 else torch.int32)
+
+
+def test_delayed_scaling_under_compile_names_current_scaling():
+    model, x = _mlp(), torch.randn(32, 64)
+    compiled = torch.compile(_loss_inside, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="Float8CurrentScaling"):
+        compiled(model, x, fc.DelayedScaling())
