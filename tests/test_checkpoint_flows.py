@@ -12,8 +12,9 @@ Delayed-scaling state lives in per-thread slabs (``fastcast.state.thread_state``
 moves only the columns of modules that ran, so models sharing a thread stay apart (the
 copy tests check exactly that); still, each model runs in a worker thread of its own,
 standing for a process: the original trains and takes its next step in one (the same
-process carrying on), every reloaded model or copy in another (a new process). The loaded model is always built with another seed, so a flow that lost the
-weights or the delayed-scaling state would show.
+process carrying on), every reloaded model or copy in another (a new process). The
+loaded model is always built with another seed, so a flow that lost the weights or the
+delayed-scaling state would show.
 """
 
 from __future__ import annotations
