@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch._dynamo import assume_constant_result
 
+from . import hardware
 from . import state as _state
 from .nn.linear import plan_for
 from .recompute import checkpoint_region
@@ -33,6 +34,13 @@ from .schemes import Plan, Scheme, scheme_for
 from .state import BOTTOM, AutocastFrame, Stack
 
 _autocast_module = importlib.import_module("fastcast.autocast")  # the module, not the class
+
+# The machine's answers are fixed for a trace (the GEMM path depends on the device and on
+# FASTCAST_GEMM, read when traced): run them at trace time and keep the answers as
+# constants, rather than trace into their lru_caches (which Dynamo warns about). This only
+# marks the functions; eager calls are unchanged.
+for _answer in (hardware.gemm_backend, hardware.default_device_type):
+    assume_constant_result(_answer)
 
 
 class _CompiledStack(threading.local):
