@@ -29,6 +29,7 @@ from torch._dynamo import assume_constant_result
 from . import hardware
 from . import state as _state
 from .nn.linear import plan_for
+from .nn.weight_cache import WeightCache, quantize_weight
 from .recompute import checkpoint_region
 from .schemes import Plan, Scheme, scheme_for
 from .state import BOTTOM, AutocastFrame, Stack
@@ -104,3 +105,12 @@ def _traced_plan_for(module: Any, frame: AutocastFrame, weight: torch.Tensor) ->
             "Float8CurrentScaling, or run this model in eager"
         )
     return scheme.plan(frame, {}, weight.device)
+
+
+@torch.compiler.substitute_in_graph(quantize_weight, skip_signature_check=True)
+def _traced_weight_quantize(
+    cache: WeightCache, weight: torch.Tensor, quantizer: Any, first: Any, columnwise: bool
+) -> Any:
+    # The micro-batch cache is an eager optimisation: a compiled graph quantizes the weight
+    # on every call (fused with its neighbours), which gives what the cache would hold.
+    return quantizer.quantize(weight, rowwise=True, columnwise=columnwise)

@@ -14,7 +14,7 @@ import torch
 from ..gemm import scaled_mm
 from ..profiling import annotate
 from ..tensor import QuantizedTensor
-from .weight_cache import WeightCache
+from .weight_cache import WeightCache, quantize_weight
 
 
 def forward_gemm(
@@ -39,7 +39,7 @@ def forward_gemm(
         # again, with the replaying call's quantizer (the original scale), bypassing the cache.
         w_q = call.weight_q.quantize(weight, rowwise=True, columnwise=True)
     elif w_q is None:
-        w_q = weight_cache.quantize(weight, call.weight_q, first, columnwise=need_dgrad)
+        w_q = quantize_weight(weight_cache, weight, call.weight_q, first, need_dgrad)
         w_q = call.remember_weight(w_q)
     out = scaled_mm(x_q, w_q, out_dtype=_output_dtype(x), bias=bias)
     call.forward_done()

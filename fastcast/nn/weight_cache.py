@@ -28,27 +28,31 @@ class WeightCache:
     def clear(self) -> None:
         self.entry = None
 
-    def quantize(
-        self,
-        weight: torch.Tensor,
-        quantizer: Any,
-        first: bool | None,
-        columnwise: bool,
-    ) -> QuantizedTensor:
-        """The quantized ``weight``, from the cache when ``first`` is False and it is valid."""
-        entry = self.entry
-        if first is False and entry is not None:
-            w_q, version, cached_by = entry
-            if (
-                version == (weight._version, weight.data_ptr(), optimizer_steps())
-                and cached_by is quantizer
-                and (w_q.has_columnwise or not columnwise)
-            ):
-                return w_q
-        w_q = quantizer.quantize(weight, rowwise=True, columnwise=columnwise)
-        if first is None:
-            self.entry = None
-        else:
-            version = (weight._version, weight.data_ptr(), optimizer_steps(install=True))
-            self.entry = (w_q, version, quantizer)
-        return w_q
+
+def quantize_weight(
+    cache: WeightCache,
+    weight: torch.Tensor,
+    quantizer: Any,
+    first: bool | None,
+    columnwise: bool,
+) -> QuantizedTensor:
+    """The quantized ``weight``, from ``cache`` when ``first`` is False and it is valid.
+
+    (A function, not a method, so that ``fastcast.dynamo`` can give compiled code its own.)
+    """
+    entry = cache.entry
+    if first is False and entry is not None:
+        w_q, version, cached_by = entry
+        if (
+            version == (weight._version, weight.data_ptr(), optimizer_steps())
+            and cached_by is quantizer
+            and (w_q.has_columnwise or not columnwise)
+        ):
+            return w_q
+    w_q = quantizer.quantize(weight, rowwise=True, columnwise=columnwise)
+    if first is None:
+        cache.entry = None
+    else:
+        version = (weight._version, weight.data_ptr(), optimizer_steps(install=True))
+        cache.entry = (w_q, version, quantizer)
+    return w_q
