@@ -28,6 +28,7 @@ from torch._dynamo import assume_constant_result
 
 from . import hardware
 from . import state as _state
+from .distributed import all_reduce_max
 from .nn.linear import plan_for
 from .nn.weight_cache import WeightCache, quantize_weight
 from .recompute import checkpoint_region
@@ -114,3 +115,13 @@ def _traced_weight_quantize(
     # The micro-batch cache is an eager optimisation: a compiled graph quantizes the weight
     # on every call (fused with its neighbours), which gives what the cache would hold.
     return quantizer.quantize(weight, rowwise=True, columnwise=columnwise)
+
+
+@torch.compiler.substitute_in_graph(all_reduce_max, skip_signature_check=True)
+def _traced_all_reduce_max(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    # A graph would have to hold the process group (guarding on its identity) and issue a
+    # collective inside every quantize: refused, clearly, until that is designed.
+    raise RuntimeError(
+        "fastcast: amax reduction over a process group (amax_reduction_group) does not run "
+        "under torch.compile yet; compile without it, or run that part in eager"
+    )

@@ -154,3 +154,11 @@ def test_checkpoint_and_micro_batches_inside_a_compiled_function():
     for first in (True, False):
         compiled = torch.compile(micro_batch(first), fullgraph=True)
         _assert_matches(_step(model, compiled, x, recipe), want)
+
+
+def test_a_quantizer_holding_a_process_group_refuses_to_be_compiled():
+    group = object()  # stands for a process group: the refusal comes before any use of it
+    quantizer = CurrentScalingQuantizer(amax_reduction_group=group)
+    compiled = torch.compile(lambda x: quantizer.quantize(x).data, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="amax_reduction_group.*does not run under torch.compile"):
+        compiled(torch.randn(16, 16))
