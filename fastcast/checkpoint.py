@@ -230,11 +230,10 @@ def _decode_tensor(state: torch.Tensor, owner: str) -> dict[int, ScalingMeta]:
     if kind != DELAYED:
         raise refuse(f"unknown fastcast extra state kind {kind}")
     rows, fwd_cols, bwd_cols = head[_ROWS], head[_FWD_COLS], head[_BWD_COLS]
-    expected = ((FORWARD, _COLUMNS[FORWARD]), (BACKWARD, _COLUMNS[BACKWARD]))
     if (
         rows < 1
-        or fwd_cols not in (0, expected[0][1])
-        or bwd_cols not in (0, expected[1][1])
+        or fwd_cols not in (0, _COLUMNS[FORWARD])
+        or bwd_cols not in (0, _COLUMNS[BACKWARD])
         or fwd_cols + bwd_cols == 0
     ):
         raise refuse(
@@ -284,8 +283,9 @@ def _decode_tensor(state: torch.Tensor, owner: str) -> dict[int, ScalingMeta]:
 
     parts = {}
     offset = 0
-    for (direction, _), cols, fmt in zip(
-        expected, (fwd_cols, bwd_cols), (head[_FWD_FMT], head[_BWD_FMT])
+    for direction, cols, fmt in (
+        (FORWARD, fwd_cols, head[_FWD_FMT]),
+        (BACKWARD, bwd_cols, head[_BWD_FMT]),
     ):
         if cols:
             parts[direction] = (

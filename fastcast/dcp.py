@@ -27,7 +27,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from .checkpoint import EXTRA_STATE_KEY, is_extra_state_entry
+from .checkpoint import is_extra_state_entry
 
 __all__ = ["LoadPlanner", "fit_extra_states"]
 
@@ -60,7 +60,7 @@ def fit_extra_states(state_dict: MutableMapping[str, Any], metadata: Metadata) -
             if isinstance(value, MutableMapping):
                 visit(value, f"{fqn}.")
                 continue
-            if not (str(key).endswith(EXTRA_STATE_KEY) and is_extra_state_entry(fqn, value)):
+            if not is_extra_state_entry(fqn, value):
                 continue
             entry = saved.get(fqn)
             if (

@@ -123,11 +123,13 @@ class Linear(nn.Linear):
                 raise type(exc)(f"{self._where()}: {exc}") from exc
             raise
 
-    def _where(self) -> str:
-        """The layer, for error messages: its name in the model fc.convert saw, if any."""
+    def _where(self, key: str | None = None) -> str:
+        """The layer, for error messages: its name in the model fc.convert saw, if any,
+        and the state-dict ``key`` being loaded."""
         features = f"in_features={self.in_features}, out_features={self.out_features}"
         name = self._fc_name
-        return f"fc.Linear {name!r} ({features})" if name else f"fc.Linear({features})"
+        where = f"fc.Linear {name!r} ({features})" if name else f"fc.Linear({features})"
+        return where if key is None else f"{where} at {key!r}"
 
     def _checkpointed(
         self, frame: AutocastFrame, log: RecomputeLog, recomputing: bool
@@ -170,12 +172,7 @@ class Linear(nn.Linear):
             metas = decode_extra_state(state, owner=self._where())
         # The old metas are simply dropped: slabs hold members weakly and compact dead
         # columns at their next update (leaving each slab now would rebuild it per module).
-        if metas:
-            device = self._parameters["weight"].device
-            if device.type != "meta":
-                for meta in metas.values():
-                    if meta.history.device != device:
-                        meta.move_to(device)
+        _follow_weight(metas, self._parameters["weight"])
         # Plain attributes: __dict__ directly, as nn.Module.__setattr__ would (faster).
         self.__dict__.update(_metas=metas, _plan=None)
         self._weight_cache.clear()
@@ -199,7 +196,7 @@ class Linear(nn.Linear):
             state = state_dict[key]
             checked = self.__dict__.get("_fc_checked")
             if checked is None or checked[0] is not state:
-                metas = decode_extra_state(state, owner=f"{self._where()} at {key!r}")
+                metas = decode_extra_state(state, owner=self._where(key))
                 self.__dict__["_fc_checked"] = (state, metas)
             super()._load_from_state_dict(state_dict, prefix, *args)
             return
@@ -215,13 +212,7 @@ class Linear(nn.Linear):
 
     def _apply(self, fn: Any, recurse: bool = True) -> Linear:
         super()._apply(fn, recurse)
-        # Scales stay FP32 whatever dtype the parameters move to; only the device follows
-        # (not to the meta device, which would lose their values).
-        device = self.weight.device
-        if device.type != "meta":
-            for meta in self._metas.values():
-                if meta.history.device != device:
-                    meta.move_to(device)
+        _follow_weight(self._metas, self.weight)
         self._plan = None
         self._weight_cache.clear()
         return self
@@ -241,6 +232,17 @@ class Linear(nn.Linear):
         self.set_extra_state(metas)
 
 
+def _follow_weight(metas: dict[int, ScalingMeta], weight: torch.Tensor) -> None:
+    """Move ``metas`` to ``weight``'s device. Scales stay FP32 whatever the parameters'
+    dtype; they do not follow to the meta device, which would lose their values."""
+    device = weight.device
+    if device.type == "meta":
+        return
+    for meta in metas.values():
+        if meta.history.device != device:
+            meta.move_to(device)
+
+
 def validate_extra_states(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any
 ) -> None:
@@ -253,8 +255,7 @@ def validate_extra_states(
             key = f"{name}.{EXTRA_STATE_KEY}" if name else EXTRA_STATE_KEY
             if key in state_dict:
                 state = state_dict[key]
-                owner = f"{sub._where()} at {key!r}"
-                checked.append((sub, state, decode_extra_state(state, owner)))
+                checked.append((sub, state, decode_extra_state(state, sub._where(key))))
     # All valid: each module takes its decoded state when the load reaches it (if it is
     # still the same object then), rather than decoding it a second time.
     for sub, state, metas in checked:
