@@ -257,25 +257,25 @@ def test_save_pretrained_loads_into_a_plain_model(recipe, worker, tmp_path):
 
 
 # -- state-dict files ----------------------------------------------------------------------
-def test_safetensors_save_file_round_trip(recipe, worker, tmp_path):
-    trainer = worker()
-    original = _trained(recipe, trainer)
-    path = tmp_path / "model.safetensors"
-    safetensors_torch.save_file(original.state_dict(), path)
-    fresh = _build(recipe, seed=1)
-    _fresh_differs(fresh, original, recipe)
-    _load_strict(fresh, safetensors_torch.load_file(path))
-    _assert_resumes_like(fresh, original, trainer, recipe, worker)
+FILE_FORMATS = {
+    "safetensors": (safetensors_torch.save_file, safetensors_torch.load_file),
+    "torch-weights_only-mmap": (
+        torch.save,
+        lambda path: torch.load(path, weights_only=True, mmap=True),
+    ),
+}
 
 
-def test_torch_save_state_dict_weights_only_mmap_round_trip(recipe, worker, tmp_path):
+@pytest.mark.parametrize("file_format", list(FILE_FORMATS))
+def test_state_dict_file_round_trip(file_format, recipe, worker, tmp_path):
+    save, load = FILE_FORMATS[file_format]
     trainer = worker()
     original = _trained(recipe, trainer)
-    path = tmp_path / "model.pt"
-    torch.save(original.state_dict(), path)
+    path = tmp_path / "model"
+    save(original.state_dict(), path)
     fresh = _build(recipe, seed=1)
     _fresh_differs(fresh, original, recipe)
-    _load_strict(fresh, torch.load(path, weights_only=True, mmap=True))
+    _load_strict(fresh, load(path))
     _assert_resumes_like(fresh, original, trainer, recipe, worker)
 
 
