@@ -10,7 +10,6 @@ context that enters it.
 
 from __future__ import annotations
 
-import contextvars
 import io
 import pickle
 import sys
@@ -19,6 +18,7 @@ import types
 
 import pytest
 import torch
+from _contexts import isolated
 from torch import nn
 
 import fastcast as fc
@@ -27,10 +27,6 @@ from fastcast import state as fc_state
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 RECIPE = fc.DelayedScaling(amax_history_len=8)
-
-
-def isolated(fn, *args):
-    return contextvars.Context().run(fn, *args)
 
 
 def _train(model, steps=3, seed=0, in_features=16):
@@ -78,9 +74,7 @@ def test_delayed_state_round_trips_through_weights_only_mmap_load(tmp_path):
     path = tmp_path / "model.pt"
     torch.save(model.state_dict(), path)
     loaded = torch.load(path, weights_only=True, mmap=True)
-    assert all(
-        v.dtype == torch.float32 for k, v in loaded.items() if k.endswith("_extra_state")
-    )
+    assert all(v.dtype == torch.float32 for k, v in loaded.items() if k.endswith("_extra_state"))
     fresh = _model(seed=2)
     assert fresh.load_state_dict(loaded).missing_keys == []
     for i in (0, 2):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextvars
 import copy
 import functools
 import logging
@@ -10,16 +9,12 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from _contexts import isolated
 from torch import nn
 
 import fastcast as fc
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-def isolated(fn, *args):
-    """Run ``fn`` with a thread state of its own (fresh delayed-scaling registry)."""
-    return contextvars.Context().run(fn, *args)
 
 
 class Block(nn.Module):

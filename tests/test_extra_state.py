@@ -9,12 +9,12 @@ amax / 2**margin``), not by fastcast's code. Delayed-scaling runs happen in a fr
 
 from __future__ import annotations
 
-import contextvars
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from _contexts import isolated
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -27,10 +27,6 @@ from fastcast.delayed import BACKWARD, FORWARD, ScalingMeta, ScalingOrigin
 FIXTURES = Path(__file__).parent / "fixtures" / "extra_state"
 MAGIC, HEADER = 0xFCA570, 16
 FMT_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
-
-
-def isolated(fn, *args):
-    return contextvars.Context().run(fn, *args)
 
 
 def _steps(model, recipe, steps=3, seed=0, in_features=16):

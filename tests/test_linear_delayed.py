@@ -9,7 +9,6 @@ recorded an amax in the step, so those never change what a test observes.
 
 from __future__ import annotations
 
-import contextvars
 import copy
 import gc
 import io
@@ -18,6 +17,7 @@ import pickle
 
 import pytest
 import torch
+from _contexts import isolated
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -28,11 +28,6 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
-
-
-def isolated(fn, *args):
-    """Run ``fn`` in a fresh context (an autocast stack of its own)."""
-    return contextvars.Context().run(fn, *args)
 
 
 def amax(t):

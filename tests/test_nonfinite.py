@@ -17,11 +17,11 @@ Delayed-scaling state is per thread, so the training tests run in a fresh
 
 from __future__ import annotations
 
-import contextvars
 import math
 
 import pytest
 import torch
+from _contexts import isolated
 from fp8_reference import FMT_MAX, FP32_MAX, assert_codes_equal, encode_fp8
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -311,11 +311,6 @@ RECIPES = {
     "mxfp8": fc.MXFP8BlockScaling,
     "nvfp4": fc.NVFP4BlockScaling,
 }
-
-
-def isolated(fn, *args):
-    """Run ``fn`` with a thread state of its own (fresh delayed-scaling registry)."""
-    return contextvars.Context().run(fn, *args)
 
 
 def make_model(bias: bool, use_fastcast: bool) -> nn.Module:
