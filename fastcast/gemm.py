@@ -51,7 +51,7 @@ def scaled_mm(
     else:
         raise ValueError(f"scaled_mm: backend must be one of {BACKENDS} or None, got {backend!r}")
 
-    hardware_path = chosen == "hardware" and (device_type != "cuda" or _fits_cuda_kernel(a, b))
+    hardware_path = chosen == "hardware" and runs_kernel(a, b, device_type)
     gemm = _scaled_mm_hardware if hardware_path else _scaled_mm_emulated
     if torch.is_autocast_enabled(device_type):
         # torch.autocast would run the FP32 accumulation and scales in its low dtype.
@@ -93,6 +93,13 @@ def _check_operands(a: QuantizedTensor, b: QuantizedTensor) -> tuple[str, str]:
     fa, fb = a.family, b.family
     # Mixed families have no common kernel; the emulation handles any pair.
     return (fa if fa == fb else "mixed"), device.type
+
+
+def runs_kernel(a: QuantizedTensor, b: QuantizedTensor, device_type: str) -> bool:
+    """Whether ``torch._scaled_mm`` computes this product, on a device that has a kernel
+    for its family: on CUDA within the kernel's shape limits, on the CPU always (under
+    ``torch.compile`` the CPU emulates instead: ``fastcast.dynamo`` says why)."""
+    return device_type != "cuda" or _fits_cuda_kernel(a, b)
 
 
 def _fits_cuda_kernel(a: QuantizedTensor, b: QuantizedTensor) -> bool:
