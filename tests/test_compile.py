@@ -128,18 +128,21 @@ def test_delayed_scaling_under_compile_names_current_scaling():
 
 
 def test_checkpoint_and_micro_batches_inside_a_compiled_function():
-    """``torch.utils.checkpoint`` around the model and ``is_first_microbatch`` on its
-    layers trace (Dynamo recomputes the region itself; the compiled graph quantizes the
+    """``torch.utils.checkpoint`` (both modes) around the model and ``is_first_microbatch``
+    on its layers trace (Dynamo recomputes the region itself; the compiled graph quantizes the
     weight every call, which is what the eager cache holds): the same loss and grads."""
     from torch.utils.checkpoint import checkpoint
 
     model, x = _mlp(), torch.randn(32, 64)
     recipe = fc.Float8CurrentScaling()
 
-    def checkpointed(m, x, r):
-        with fc.autocast(recipe=r):
-            y = checkpoint(m, x, use_reentrant=False)
-        return y.square().mean()
+    def checkpointed(reentrant):
+        def loss(m, x, r):
+            with fc.autocast(recipe=r):
+                y = checkpoint(m, x, use_reentrant=reentrant)
+            return y.square().mean()
+
+        return loss
 
     def micro_batch(first):
         def loss(m, x, r):
@@ -150,7 +153,9 @@ def test_checkpoint_and_micro_batches_inside_a_compiled_function():
         return loss
 
     want = _step(model, _loss_inside, x, recipe)
-    _assert_matches(_step(model, torch.compile(checkpointed, fullgraph=True), x, recipe), want)
+    for reentrant in (False, True):
+        compiled = torch.compile(checkpointed(reentrant), fullgraph=True)
+        _assert_matches(_step(model, compiled, x, recipe), want)
     for first in (True, False):
         compiled = torch.compile(micro_batch(first), fullgraph=True)
         _assert_matches(_step(model, compiled, x, recipe), want)
