@@ -15,6 +15,10 @@ compile fastcast code only; eager-only processes never pay it). Compiled code se
 stack of its thread: under compile the state is per thread, not per asyncio task, and a
 thread that was inside an eager autocast when mirroring started is seen by compiled code
 only from its next enter or exit.
+
+Two more polyfills are about speed, not tracing: the FP8 cast (``scale_and_cast``) and
+the CPU's GEMM choice (``gemm.runs_kernel``) are written the way Inductor fuses best;
+each says what it replaces and why. They compute the same values as eager.
 """
 
 from __future__ import annotations
