@@ -53,7 +53,7 @@ from .delayed import BACKWARD, FORWARD
 from .distributed import all_reduce_max
 from .nn.linear import plan_for
 from .nn.weight_cache import WeightCache, quantize_weight
-from .quantize.tensorwise import DelayedScalingQuantizer
+from .quantize.tensorwise import DelayedScalingQuantizer, record_amax
 from .recipe import DelayedScaling
 from .recompute import checkpoint_region
 from .schemes import Plan, Scheme, scheme_for
@@ -158,9 +158,20 @@ def _traced_delayed_plan(module: Any, frame: AutocastFrame) -> Plan:
         _TracedDelayedQuantizer(fwd, 1, fmt.fwd),
         _TracedDelayedQuantizer(bwd, 0, fmt.bwd),
     )
-    # The base Plan: its per-call hooks do nothing (the eager ones mark slabs pending and
-    # queue the backward's end, which the joined slabs and the hook do instead).
-    return Plan(recipe, None, quantizers)
+    return _TracedDelayedPlan(recipe, None, quantizers)
+
+
+class _TracedDelayedPlan(Plan):
+    """The base Plan's per-call hooks, which do nothing (the eager ones mark slabs pending
+    and queue the backward's end: the joined slabs and the hook do that instead), and
+    calibration, which records into the forward amax slots as eager's does."""
+
+    __slots__ = ()
+
+    def calibrate(self, x: torch.Tensor, weight: torch.Tensor) -> None:
+        slots = self.input_q.meta.amax_slots
+        record_amax(slots[0], x.detach())
+        record_amax(slots[1], weight.detach())
 
 
 def _refuse_subgraph(ctx: Any) -> None:

@@ -102,6 +102,22 @@ def test_compiled_model_under_eager_delayed_autocast_trains_as_eager(update_coun
     assert counter.frame_count == 2
 
 
+def test_calibrating_a_compiled_model_records_as_eager():
+    model, x = _mlp(), torch.randn(32, 64) * 3
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    for m in (eager, compiled):
+        with fc.autocast(False, recipe=fc.DelayedScaling(amax_history_len=4), calibrating=True):
+            m(x)
+    for a, b in zip(model.modules(), eager.modules()):
+        if isinstance(a, fc.Linear):
+            got = fc.read_extra_state(a.get_extra_state())["forward"]
+            want = fc.read_extra_state(b.get_extra_state())["forward"]
+            assert not torch.equal(want["scale"], torch.ones(2))  # calibration moved them
+            assert torch.equal(got["scale"], want["scale"])
+            assert torch.equal(got["amax_history"], want["amax_history"])
+
+
 def test_what_compiled_delayed_scaling_refuses_names_the_way_out():
     model, x = _mlp(), torch.randn(32, 64)
 
