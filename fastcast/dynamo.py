@@ -146,6 +146,8 @@ def _traced_delayed_plan(module: Any, frame: AutocastFrame) -> Plan:
             "torch.compile yet; compile without the group, or run that part in eager"
         )
     comptime(_refuse_subgraph)
+    if _entered_in_graph():  # refused before joining: a refused trace changes nothing
+        raise RuntimeError(_INSIDE)
     # The recipe goes by value (its type and fields): an equal recipe does not recompile.
     _join_delayed(module, type(recipe), recipe._values)
     fwd, bwd = module._metas[FORWARD], module._metas[BACKWARD]
@@ -174,6 +176,32 @@ class _TracedDelayedPlan(Plan):
         record_amax(slots[1], weight.detach())
 
 
+_INSIDE = (
+    "fastcast: fc.autocast(recipe=DelayedScaling(...)) cannot be entered inside a compiled "
+    "function; enter it in eager around the compiled model (torch.compile(model)), or use "
+    "Float8CurrentScaling"
+)
+
+
+def _entered_in_graph() -> bool:
+    """Whether the innermost autocast was entered in the traced code: the stack the
+    trace sees is deeper than the eager one it started from."""
+    depth, node = 0, _state.get_stack()
+    while node is not None:
+        depth, node = depth + 1, node[1]
+    return depth > _eager_depth()
+
+
+@assume_constant_result
+def _eager_depth() -> int:
+    # Runs for real while tracing: the eager stack's depth then (which the guards on the
+    # traced stack keep valid for the graph).
+    depth, node = 0, _compiled.stack
+    while node is not None:
+        depth, node = depth + 1, node[1]
+    return depth
+
+
 def _refuse_subgraph(ctx: Any) -> None:
     """At trace time: refuse delayed scaling in a higher-order op's body (activation
     checkpointing), whose recomputation in backward would quantize with scales that
@@ -198,11 +226,7 @@ class _TracedThreadState:
 
     def frame_exited(self, frame: AutocastFrame, below: Stack, ok: bool) -> None:
         if isinstance(frame.recipe, DelayedScaling) and frame.opens_step(below):
-            raise RuntimeError(
-                "fastcast: fc.autocast(recipe=DelayedScaling(...)) cannot be entered "
-                "inside a compiled function; enter it in eager around the compiled "
-                "model (torch.compile(model)), or use Float8CurrentScaling"
-            )
+            raise RuntimeError(_INSIDE)
 
 
 _traced_thread_state = _TracedThreadState()

@@ -304,20 +304,18 @@ class DelayedScalingScheme(Scheme):
         since its backward (a gradient for its input) would record amaxes that no hook
         reliably turns into an update.
         """
-        plan = self.plan(frame, module_state, params[0].device)
-        state = plan.state
-        state.compiled.update((plan.fwd_slab, plan.bwd_slab))
-        for param in params:
-            if param.requires_grad:
-                state.watch_backward(param)
-                return
-        if torch.is_grad_enabled():
+        watched = next((p for p in params if p.requires_grad), None)
+        if watched is None and torch.is_grad_enabled():  # refused before anything changes
             raise RuntimeError(
                 "fastcast: DelayedScaling under torch.compile needs each fc.Linear to have "
                 "a weight or bias that requires grad (their gradient starts its backward "
                 "scale update); run frozen layers under torch.no_grad, or use "
                 "Float8CurrentScaling"
             )
+        plan = self.plan(frame, module_state, params[0].device)
+        plan.state.compiled.update((plan.fwd_slab, plan.bwd_slab))
+        if watched is not None:
+            plan.state.watch_backward(watched)
 
 
 def _directions(recipe: DelayedScaling) -> tuple[tuple[int, int, str], ...]:
