@@ -28,8 +28,9 @@ the layer's weight (or bias) gradient, which calls ``backward_ran`` from the eng
 the eager Function's backward does, so the backward update runs when the pass ends. The
 forward update is the eager autocast exit's, as before. A scale is read through an
 opaque copy (``_snapshot``) so that backward never recomputes from a scale the exit has
-since moved. Refused, by name: an ``fc.autocast(recipe=DelayedScaling(...))`` that ends
-its step inside a compiled function (the update would be traced), delayed scaling inside
+since moved. Calibration (``calibrating=True``) records as in eager. Refused by name,
+before anything changes: an ``fc.autocast(recipe=DelayedScaling(...))`` entered inside a
+compiled function (its update would be traced into the graph), delayed scaling inside
 a checkpointed region (its recomputation would use moved scales), an
 ``amax_reduction_group``, and, with grad enabled, a layer with no parameter that
 requires grad (nothing to hook). A layer that joins a slab between a compiled forward and
