@@ -15,12 +15,14 @@ The one stateful scheme, and everything it means lives here:
   training (grad-enabled) or calibrating forward; backward scales when the backward pass
   (the autograd graph task) that ran any delayed-scaling module's backward finishes,
   whichever modules it reached. Step k quantizes with the scales from amaxes up to step
-  k-1.
+  k-1. Compiled code cannot run these hooks: ``join_compiled`` sets up the same updates
+  from eager (``fastcast.dynamo`` tells how).
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -39,12 +41,24 @@ from .base import Plan, Scheme, register_scheme
 class DelayedThreadState:
     """Per-thread delayed-scaling state: slabs by (autocast key, direction, device)."""
 
-    __slots__ = ("slabs", "pending", "thread", "backward_task", "backward_groups")
+    __slots__ = (
+        "slabs",
+        "pending",
+        "compiled",
+        "watched",
+        "thread",
+        "backward_task",
+        "backward_groups",
+    )
 
     def __init__(self, thread: threading.Thread) -> None:
         self.slabs: dict[tuple, Slab] = {}
         # Slabs with amaxes recorded since their last update, per direction.
         self.pending: tuple[set[Slab], set[Slab]] = (set(), set())
+        # Slabs that compiled code records into: a graph cannot mark them pending, so
+        # every update of their direction includes them (see ``join_compiled``).
+        self.compiled: set[Slab] = set()
+        self.watched: dict[int, weakref.ref] = {}  # id -> the tensor, see watch_backward
         self.thread = thread  # the thread whose ThreadState holds this
         # The backward pass whose end is already queued, and the groups it ran under.
         self.backward_task: int | None = None
@@ -87,7 +101,11 @@ class DelayedThreadState:
         for (_, slab_direction, _), slab in self.slabs.items():
             if slab_direction != direction:
                 continue
-            if slab in pending or (slab.group is not None and any(slab.group is g for g in groups)):
+            if (
+                slab in pending
+                or slab in self.compiled
+                or (slab.group is not None and any(slab.group is g for g in groups))
+            ):
                 slab.update()
 
     def frame_exited(self, frame: AutocastFrame, below: Stack, ok: bool) -> None:
@@ -119,6 +137,24 @@ class DelayedThreadState:
             Variable._execution_engine.queue_callback(self._backward_finished)
         if not any(group is g for g in self.backward_groups):
             self.backward_groups.append(group)
+
+    def watch_backward(self, tensor: torch.Tensor) -> None:
+        """Have every backward pass that computes ``tensor``'s gradient end the step.
+
+        Compiled code runs no Python in its backward, so it cannot call ``backward_ran``
+        as the eager Function does: a hook on a leaf the module's backward reaches (its
+        weight) calls it instead, from the engine, in the same pass. Registered once per
+        tensor and state; a pass that did not run delayed scaling then updates nothing
+        (columns without a recorded amax keep their history and scale).
+        """
+        # By identity (tensors compare element-wise, so no set of them).
+        ref = self.watched.get(id(tensor))
+        if ref is None or ref() is not tensor:
+            tensor.register_hook(self._gradient_seen)
+            self.watched[id(tensor)] = weakref.ref(tensor)
+
+    def _gradient_seen(self, grad: torch.Tensor) -> None:
+        self.backward_ran(None)
 
     def _backward_finished(self) -> None:
         groups = tuple(self.backward_groups)
@@ -255,6 +291,31 @@ class DelayedScalingScheme(Scheme):
             slabs.append(slab)
             metas.append(meta)
         return DelayedPlan(recipe, frame.group, state, tuple(slabs), tuple(metas))
+
+    def join_compiled(
+        self, frame: AutocastFrame, module_state: dict[Any, Any], params: list[torch.Tensor]
+    ) -> None:
+        """Eager set-up for compiled code that records into a module's metas (see
+        ``fastcast.dynamo``): attach them to this thread's slabs as ``plan`` does, have
+        every update include those slabs, and have the backward pass end the step through
+        a hook on the first of ``params`` (the module's) that requires grad.
+
+        A module with none (frozen) has no leaf to hook: refused when grad is enabled,
+        since its backward (a gradient for its input) would record amaxes that no hook
+        reliably turns into an update.
+        """
+        watched = next((p for p in params if p.requires_grad), None)
+        if watched is None and torch.is_grad_enabled():  # refused before anything changes
+            raise RuntimeError(
+                "fastcast: DelayedScaling under torch.compile needs each fc.Linear to have "
+                "a weight or bias that requires grad (their gradient starts its backward "
+                "scale update); run frozen layers under torch.no_grad, or use "
+                "Float8CurrentScaling"
+            )
+        plan = self.plan(frame, module_state, params[0].device)
+        plan.state.compiled.update((plan.fwd_slab, plan.bwd_slab))
+        if watched is not None:
+            plan.state.watch_backward(watched)
 
 
 def _directions(recipe: DelayedScaling) -> tuple[tuple[int, int, str], ...]:
