@@ -26,7 +26,8 @@ as users write them. The bf16 run keeps ``nn.Linear`` and runs the forward under
 
 ``--compile`` runs every recipe twice, eager and under ``torch.compile(fullgraph=True)``
 (the forward and loss compiled, ``fc.autocast`` entered inside the compiled function;
-backward and optimizer step outside, as torchao's float8 recipe is usually run), and
+backward and optimizer step outside, as torchao's float8 recipe is usually run; for
+``delayed``, whose autocast must be entered in eager, the model is compiled), and
 prints compiled vs eager step time and the compile time: cold (a fresh Inductor cache
 directory) and warm (the same graphs again after ``torch._dynamo.reset()``, served from
 Inductor's on-disk cache). ``torchao`` (``convert_to_float8_training``, per-tensor
@@ -55,6 +56,8 @@ from torch import nn
 import fastcast as fc
 
 RECIPES = ("fp32", "bf16", "delayed", "current", "block", "mxfp8", "nvfp4", "torchao")
+# Under --compile these compile the model and enter fc.autocast in eager around it.
+COMPILED_MODEL = ("delayed",)
 DEFAULT_RECIPES = RECIPES[:-1]  # torchao runs when asked for, and in --compile runs
 HIGH_PRECISION = ("fp32", "bf16")  # in order of preference as the loss reference
 QUANTIZED: dict[str, Callable[[], fc.Recipe]] = {
@@ -177,12 +180,19 @@ def run(
         _torchao_float8(model)
     converted = sum(isinstance(m, fc.Linear) for m in model.modules())
 
+    # DelayedScaling compiles only under an autocast entered in eager: there the model
+    # is compiled; every other recipe compiles the forward and loss, autocast inside.
+    model_outside = compile and recipe_name in COMPILED_MODEL
+    forward = torch.compile(model, fullgraph=True) if model_outside else model
+
     def forward_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with forward_context():
-            out = model(x)
+            out = forward(x)
         return F.mse_loss(out.float(), y)
 
-    step_loss = torch.compile(forward_loss, fullgraph=True) if compile else forward_loss
+    step_loss = forward_loss
+    if compile and not model_outside:
+        step_loss = torch.compile(forward_loss, fullgraph=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     inputs, targets = make_data(width, batch, steps, seed, device)
 
