@@ -23,6 +23,7 @@ import math
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 STORAGE: dict[str, type[QuantizedTensor]] = {}
 
@@ -46,22 +47,34 @@ def register_storage(cls: type[QuantizedTensor]) -> type[QuantizedTensor]:
     return cls
 
 
-def expand_scales(
-    scales: torch.Tensor, block: tuple[int, int], rows: int, cols: int
+def apply_scales(
+    values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]
 ) -> torch.Tensor:
-    """Broadcast per-block scales ``[ceil(R/br), ceil(K/bk)]`` to match ``[R, K]``."""
+    """``values`` ``[R, K]`` times its per-block ``scales`` ``[ceil(R/br), ceil(K/bk)]``.
+
+    Each block is scaled through a tiled view ``[R/br, br, K/bk, bk]`` of the values (edge
+    tiles zero-padded, the padding sliced off after) that the scales broadcast over,
+    rather than by a scale matrix expanded to ``[R, K]``: no ``[R, K]`` temporary in
+    eager, and under torch.compile the product stays a loop over tiles. An expanded scale
+    is read at ``k // bk``, a division of the column index; Inductor's CPU loop split
+    (torch 2.13) fails on a kernel that fuses such a loop with the transposed layout's
+    ``[K, R]`` loop over the same input (``AssertionError`` in ``try_loop_split``), as
+    dequantizing both layouts of one tensor in one graph does.
+    """
+    rows, cols = values.shape
     br, bk = block
-    if br == 0 and bk == 0:
-        return scales.reshape(1, 1)
     # The explicit block-grid shape: reshape(-1, ...) is ambiguous for empty grids.
     grid_rows = 1 if br == 0 else -(-rows // br)
     grid_cols = 1 if bk == 0 else -(-cols // bk)
-    s = scales.reshape(grid_rows, grid_cols)
-    if br > 1:
-        s = s.repeat_interleave(br, dim=0)[:rows]
-    if bk > 1:
-        s = s.repeat_interleave(bk, dim=1)[:, :cols]
-    return s
+    # A dimension scaled whole (0) or element by element (1) is not tiled: it broadcasts.
+    tile_r, tile_c = max(br, 1), max(bk, 1)
+    pad_r = grid_rows * tile_r - rows if tile_r > 1 else 0
+    pad_c = grid_cols * tile_c - cols if tile_c > 1 else 0
+    padded = F.pad(values, (0, pad_c, 0, pad_r)) if pad_r or pad_c else values
+    tiles = padded.reshape((rows + pad_r) // tile_r, tile_r, (cols + pad_c) // tile_c, tile_c)
+    out = tiles * scales.reshape(grid_rows, 1, grid_cols, 1)
+    out = out.reshape(rows + pad_r, cols + pad_c)
+    return out[:rows, :cols] if pad_r or pad_c else out
 
 
 class QuantizedTensor:
@@ -166,7 +179,7 @@ class QuantizedTensor:
     ) -> torch.Tensor:
         rows, cols = self._rows_cols(data)
         values = self._decode_data(data).reshape(rows, cols)
-        return values * expand_scales(self._decode_scales(scales), block, rows, cols)
+        return apply_scales(values, self._decode_scales(scales), block)
 
     def t(self) -> QuantizedTensor:
         """The transposed matrix: the column-wise layout becomes the row-wise one."""

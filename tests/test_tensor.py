@@ -334,11 +334,11 @@ EMPTY = {
     ),
     "rows_cols-nvfp4-K0": (lambda: NVFP4Quantizer(), (3, 0), False),
     "rows_cols-nvfp4-columnwise-R0": (lambda: NVFP4Quantizer(), (0, 32), True),
-    # expand_scales: scales.reshape(-1, 0) of empty block scales is ambiguous
-    "expand_scales-block-1x128-K0": (lambda: BlockScalingQuantizer(block_dim=1), (3, 0), False),
-    "expand_scales-block-columnwise-R0": (lambda: BlockScalingQuantizer(), (0, 32), True),
-    "expand_scales-mxfp8-K0": (lambda: MXFP8Quantizer(), (3, 0), False),
-    "expand_scales-mxfp8-columnwise-R0": (lambda: MXFP8Quantizer(), (0, 32), True),
+    # apply_scales: scales.reshape(-1, 0) of empty block scales is ambiguous
+    "apply_scales-block-1x128-K0": (lambda: BlockScalingQuantizer(block_dim=1), (3, 0), False),
+    "apply_scales-block-columnwise-R0": (lambda: BlockScalingQuantizer(), (0, 32), True),
+    "apply_scales-mxfp8-K0": (lambda: MXFP8Quantizer(), (3, 0), False),
+    "apply_scales-mxfp8-columnwise-R0": (lambda: MXFP8Quantizer(), (0, 32), True),
 }
 
 
