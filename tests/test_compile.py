@@ -123,51 +123,32 @@ def test_compiled_quantize_codes_bitwise():
     [
         pytest.param(BlockScalingQuantizer(), (128, 256), id="block"),
         pytest.param(MXFP8Quantizer(), (64, 96), id="mxfp8"),
-        pytest.param(
-            BlockScalingQuantizer(),
-            (200, 300),
-            id="block-partial-tiles",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="torch 2.13 Inductor (CPU) miscompiles pad + tile amax + slice: the "
-                "codes of a partial edge tile come out wrong (known, not yet worked around)",
-            ),
-        ),
+        # Partial edge tiles: 1x128 along K; 128x128 along both dims (four regions).
+        pytest.param(BlockScalingQuantizer(), (200, 300), id="block-partial-tiles"),
+        pytest.param(BlockScalingQuantizer(block_dim=2), (200, 300), id="block-2d-partial"),
     ],
 )
 def test_compiled_block_quantize_bitwise(quantizer, shape):
-    """Codes and scales of each layout, and both layouts dequantized in one graph (as the
-    emulated GEMMs of a compiled training step do), equal eager's bit for bit. With
-    R != K the two dequantizations once met in one Inductor kernel that failed to compile
-    (``apply_scales`` says why)."""
+    """Codes and scales of both layouts, and both layouts dequantized, in one graph (as a
+    compiled training step has them), equal eager's bit for bit. Two Inductor CPU bugs
+    once met here: fused dequantizations of both layouts failed to compile
+    (``apply_scales`` says why), and padded partial tiles came out with wrong codes,
+    silently (``quantize_tiles`` says why)."""
 
-    def codes(x, rowwise: bool):
-        q = quantizer.quantize(x, rowwise=rowwise, columnwise=not rowwise)
-        return (q.data, q.scale_inv) if rowwise else (q.data_t, q.scale_inv_t)
-
-    def dequantized(x):
+    def quantized(x):
         q = quantizer.quantize(x, rowwise=True, columnwise=True)
-        return q.dequantize_rowwise_2d(), q.columnwise_operand().dequantize_rowwise_2d()
+        columnwise = q.columnwise_operand()
+        return (
+            q.data,
+            q.scale_inv,
+            q.data_t,
+            q.scale_inv_t,
+            q.dequantize_rowwise_2d(),
+            columnwise.dequantize_rowwise_2d(),
+        )
 
     x = torch.randn(shape) * 3
-    compiled = torch.compile(codes, fullgraph=True)
-    for rowwise in (True, False):
-        _assert_bitwise(compiled(x, rowwise), codes(x, rowwise))
-    _assert_bitwise(torch.compile(dequantized, fullgraph=True)(x), dequantized(x))
-
-
-@pytest.mark.xfail(raises=torch._inductor.exc.InductorError, strict=True)
-def test_both_layouts_with_partial_tiles_in_one_graph():
-    """Known limitation (torch 2.13): the codes of both layouts of a matrix whose tiles
-    are partial, in one graph. The row-wise and column-wise FP8 writes fuse into one CPU
-    kernel whose loop split fails. Strict: it reports when Inductor is fixed."""
-    quantizer = BlockScalingQuantizer()
-
-    def codes(x):
-        q = quantizer.quantize(x, rowwise=True, columnwise=True)
-        return q.data, q.data_t
-
-    torch.compile(codes, fullgraph=True)(torch.randn(200, 300))
+    _assert_bitwise(torch.compile(quantized, fullgraph=True)(x), quantized(x))
 
 
 def _assert_bitwise(got, want):

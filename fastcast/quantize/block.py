@@ -11,11 +11,10 @@ import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
-from ..tensor import Float8Tensor
+from ..tensor import FP8_DTYPES, Float8Tensor
 from .base import as_matrix, check_fp8_format, check_input, scale_and_cast, scale_from_amax
 
 TILE = 128  # tile extent along K (and along R for 128x128 tiles)
@@ -32,22 +31,59 @@ def quantize_tiles(
     """Quantize the matrix ``m`` ``[R, K]`` in tiles of ``tile_rows x 128``.
 
     Returns the FP8 data ``[R, K]`` (contiguous) and the FP32 dequantization scales
-    ``[ceil(R/tile_rows), ceil(K/128)]``. Edge tiles are zero-padded for the amax (a zero
-    never raises an amax), so each partial tile is scaled by its own elements only.
+    ``[ceil(R/tile_rows), ceil(K/128)]``. A partial tile at the bottom or right edge is
+    scaled from its own elements alone.
+
+    The matrix is cut into at most four regions of whole tiles (the full tiles, the
+    partial column of tiles, the partial row, the corner), each quantized through a tile
+    view without padding, and the results joined. Zero-padding the edge tiles and slicing
+    the padding off again would be shorter, but torch 2.13's Inductor miscompiles that
+    pattern on the CPU (the edge tiles' codes come out wrong, silently), and this code
+    is also what ``torch.compile`` traces.
     """
     rows, cols = m.shape
-    n_r, n_k = _ceil_div(rows, tile_rows), _ceil_div(cols, TILE)
-    pad_r, pad_k = n_r * tile_rows - rows, n_k * TILE - cols
-    padded = F.pad(m, (0, pad_k, 0, pad_r)) if pad_r or pad_k else m
-    tiles = padded.reshape(n_r, tile_rows, n_k, TILE)
+    if m.numel() == 0:
+        scales = (_ceil_div(rows, tile_rows), _ceil_div(cols, TILE))
+        return (
+            torch.empty((rows, cols), dtype=FP8_DTYPES[fmt], device=m.device),
+            torch.empty(scales, dtype=torch.float32, device=m.device),
+        )
+    row_cuts = _cuts(rows, tile_rows)
+    col_cuts = _cuts(cols, TILE)
+    data_rows, scale_rows = [], []
+    for r0, r1, tr in row_cuts:
+        parts = [
+            _quantize_region(m[r0:r1, c0:c1], tr, tk, fmt, power_2, epsilon)
+            for c0, c1, tk in col_cuts
+        ]
+        data_rows.append(_join([d for d, _ in parts], dim=1))
+        scale_rows.append(_join([s for _, s in parts], dim=1))
+    return _join(data_rows, dim=0).contiguous(), _join(scale_rows, dim=0).reciprocal()
+
+
+def _cuts(extent: int, tile: int) -> list[tuple[int, int, int]]:
+    """``(start, end, tile extent)`` of the full tiles along one dim, then of the partial
+    tile at the edge, leaving out empty ones."""
+    full = extent - extent % tile
+    cuts = [(0, full, tile), (full, extent, extent - full)]
+    return [cut for cut in cuts if cut[1] > cut[0]]
+
+
+def _join(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _quantize_region(
+    region: torch.Tensor, tr: int, tk: int, fmt: str, power_2: bool, epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 data and FP32 quantization scales of a region made of whole ``tr x tk`` tiles."""
+    rows, cols = region.shape
+    tiles = region.reshape(rows // tr, tr, cols // tk, tk)
     # max |x| per tile in FP32 (NaN if the tile holds a NaN: scale_from_amax handles it).
     amax = torch.linalg.vector_norm(tiles, ord=math.inf, dim=(1, 3), dtype=torch.float32)
     scale = scale_from_amax(amax, ELEMENT_MAX[fmt], power_2=power_2, epsilon=epsilon)
     data = scale_and_cast(tiles, scale[:, None, :, None], fmt)
-    data = data.reshape(n_r * tile_rows, n_k * TILE)
-    if pad_r or pad_k:
-        data = data[:rows, :cols]
-    return data.contiguous(), scale.reciprocal()
+    return data.reshape(rows, cols), scale
 
 
 @dataclasses.dataclass(frozen=True)
