@@ -28,6 +28,11 @@ LDFLAGS = ("-fopenmp",)
 NAMESPACE = "fastcast_kernels"
 
 
+# Seconds the successful load took; the library is loaded at most once per process
+# (a second load would register its operators twice).
+_loaded_seconds: float | None = None
+
+
 class BuildError(RuntimeError):
     """The C++ operators could not be built or loaded."""
 
@@ -48,6 +53,9 @@ def load() -> float:
 
     Raises ``BuildError`` with the compiler's message when it cannot.
     """
+    global _loaded_seconds
+    if _loaded_seconds is not None:
+        return _loaded_seconds
     from torch.utils import cpp_extension  # noqa: PLC0415 - slow import, first use only
 
     start = time.perf_counter()
@@ -65,7 +73,8 @@ def load() -> float:
         )
     except Exception as exc:  # a missing compiler, ninja, or headers: all mean "no kernels"
         raise BuildError(f"{type(exc).__name__}: {exc}") from exc
-    return time.perf_counter() - start
+    _loaded_seconds = time.perf_counter() - start
+    return _loaded_seconds
 
 
 def warn_unavailable(reason: str) -> None:
