@@ -57,6 +57,7 @@ from . import gemm, hardware
 from . import state as _state
 from .delayed import BACKWARD, FORWARD
 from .distributed import all_reduce_max
+from .kernels import choice as _kernel_choice
 from .nn.linear import plan_for
 from .nn.weight_cache import WeightCache, quantize_weight
 from .quantize.base import scale_and_cast
@@ -331,3 +332,11 @@ def _traced_runs_kernel(a: Any, b: Any, device_type: str) -> bool:
     if device_type == "cpu":
         return False
     return device_type != "cuda" or gemm._fits_cuda_kernel(a, b)
+
+
+@torch.compiler.substitute_in_graph(_kernel_choice.tensorwise_op, skip_signature_check=True)
+def _traced_tensorwise_op(x: torch.Tensor) -> Any:
+    # A graph traces the reference quantize, which Inductor fuses with its neighbours
+    # (the eager C++ operator would be one opaque call in the graph, and its first use
+    # may build the library).
+    return None

@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
+from ..kernels import tensorwise_op
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
-from ..tensor import Float8Tensor
+from ..tensor import FP8_DTYPES, Float8Tensor
 from .base import (
     as_matrix,
     check_fp8_format,
@@ -38,7 +39,25 @@ def quantize_with_scale(
     x: torch.Tensor, scale: torch.Tensor, fmt: str, rowwise: bool, columnwise: bool
 ) -> Float8Tensor:
     """Quantize ``x`` with the per-tensor ``scale`` (FP32 scalar tensor)."""
-    data = scale_and_cast(x, scale, fmt)
+    op = tensorwise_op(x)
+    if op is not None and scale.is_cpu and scale.numel() == 1 and scale.dtype == torch.float32:
+        data, scale_inv, _ = op(x, scale, FP8_DTYPES[fmt], False, 0.0, True, False)
+    else:
+        data = scale_and_cast(x, scale, fmt)
+        # A fresh tensor, so a later in-place scale update cannot change what this holds.
+        scale_inv = scale.reciprocal()
+    return _float8(x, fmt, data, scale_inv, rowwise, columnwise)
+
+
+def _float8(
+    x: torch.Tensor,
+    fmt: str,
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    rowwise: bool,
+    columnwise: bool,
+) -> Float8Tensor:
+    """The quantized tensor holding ``data`` (FP8, shaped like ``x``) in the layouts asked."""
     # Per-tensor FP8 transposes exactly: the column-wise layout is the transposed data.
     # CUDA kernels need it materialised; the CPU kernel and the emulation take the view.
     # So does Inductor's lowering of the CPU kernel: compiled code materialises it too.
@@ -47,8 +66,6 @@ def quantize_with_scale(
         data_t = as_matrix(data).t()
         if data_t.device.type != "cpu" or torch.compiler.is_compiling():
             data_t = data_t.contiguous()
-    # A fresh tensor, so a later in-place scale update cannot change what this holds.
-    scale_inv = scale.reciprocal()
     return Float8Tensor(
         fmt=fmt,
         shape=x.shape,
@@ -82,6 +99,10 @@ class CurrentScalingQuantizer:
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
     ) -> Float8Tensor:
         check_input(x)
+        if self.amax_reduction_group is None:
+            op = tensorwise_op(x)
+            if op is not None:  # amax, scale and cast in one operator
+                return _quantize_current(op, self, x, rowwise, columnwise)
         amax = tensor_amax(x)
         if self.amax_reduction_group is not None:
             from ..distributed import all_reduce_max  # noqa: PLC0415 - only with a group
@@ -94,6 +115,17 @@ class CurrentScalingQuantizer:
             epsilon=self.amax_epsilon,
         )
         return quantize_with_scale(x, scale, self.fmt, rowwise, columnwise)
+
+
+@annotate("fastcast.quantize.tensorwise")
+def _quantize_current(
+    op: Any, q: CurrentScalingQuantizer, x: torch.Tensor, rowwise: bool, columnwise: bool
+) -> Float8Tensor:
+    """The fused operator's current scaling (the CPU kernel writes the row-wise data
+    only: the column-wise layout is its transposed view, as in the reference)."""
+    fmt = q.fmt
+    data, scale_inv, _ = op(x, None, FP8_DTYPES[fmt], q.power_2_scales, q.amax_epsilon, True, False)
+    return _float8(x, fmt, data, scale_inv, rowwise, columnwise)
 
 
 class DelayedScalingQuantizer:

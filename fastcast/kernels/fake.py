@@ -1,0 +1,33 @@
+"""Fake (meta) implementations of the C++ operators: shapes and dtypes, no data.
+
+``torch.compile`` traces the reference instead of these operators, but a graph that
+holds one (``torch.library.opcheck``, export of an eager-captured graph) needs them.
+Imported once the library is loaded, since they attach to its schemas.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+@torch.library.register_fake("fastcast_kernels::quantize_tensorwise")
+def _quantize_tensorwise(
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    dtype: torch.dtype,
+    power_2: bool,
+    epsilon: float,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cols = x.shape[-1]
+    rows = math.prod(x.shape[:-1])  # x viewed as [R, K]
+    data = x.new_empty(x.shape if rowwise else (0,), dtype=dtype)
+    data_t = x.new_empty((cols, rows) if columnwise else (0,), dtype=dtype)
+    if scale is None:
+        scale_inv = x.new_empty((), dtype=torch.float32)
+    else:
+        scale_inv = scale.new_empty(scale.shape)
+    return data, scale_inv, data_t

@@ -1,0 +1,234 @@
+"""The fused C++ per-tensor quantize against the PyTorch reference, bit for bit, and the
+choice between them (``FASTCAST_KERNELS``, a failed build)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastcast import kernels
+from fastcast.kernels import build, choice
+from fastcast.quantize import tensorwise
+from fastcast.quantize.base import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
+from fastcast.quantize.tensorwise import CurrentScalingQuantizer, quantize_with_scale
+from fastcast.recipe import ELEMENT_MAX
+from fastcast.tensor import FP8_DTYPES
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FORMATS = ("e4m3", "e5m2")
+
+
+@pytest.fixture(scope="module")
+def op():
+    choice.refresh()
+    found = choice.tensorwise_op(torch.empty(1))
+    if found is None:
+        pytest.skip("the fused kernels are not available here")
+    return found
+
+
+@pytest.fixture
+def kernels_mode(monkeypatch):
+    """Set FASTCAST_KERNELS for one test; the choice is made again after it."""
+
+    def set_mode(mode: str) -> None:
+        monkeypatch.setenv("FASTCAST_KERNELS", mode)
+        choice.refresh()
+
+    yield set_mode
+    monkeypatch.delenv("FASTCAST_KERNELS", raising=False)
+    choice.refresh()
+
+
+def _reference(x, fmt, scale=None, power_2=False, epsilon=0.0):
+    if scale is None:
+        amax = tensor_amax(x)
+        scale = scale_from_amax(amax, ELEMENT_MAX[fmt], power_2=power_2, epsilon=epsilon)
+    return scale_and_cast(x, scale, fmt), scale.reciprocal()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _check(op, x, fmt, scale=None, power_2=False, epsilon=0.0):
+    data, scale_inv, data_t = op(x, scale, FP8_DTYPES[fmt], power_2, epsilon, True, True)
+    ref_data, ref_scale_inv = _reference(x, fmt, scale, power_2, epsilon)
+    assert data.shape == x.shape and data.dtype == FP8_DTYPES[fmt]
+    assert torch.equal(_bytes(data), _bytes(ref_data))
+    assert torch.equal(_bytes(data_t), _bytes(as_matrix(ref_data).t()))
+    assert scale_inv.shape == ref_scale_inv.shape
+    assert torch.equal(scale_inv.view(torch.int32), ref_scale_inv.view(torch.int32))
+
+
+SPECIALS = (0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 1e-45, -1e-40, 3e38, -3e38)
+
+
+def _specials(dtype, n=300):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(n, generator=gen) * torch.logspace(-20, 20, n)
+    x[: len(SPECIALS)] = torch.tensor(SPECIALS)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "shape", [(1,), (7,), (33, 17), (3, 5, 129), (128, 256), (0,), (0, 5), (5, 0)]
+)
+def test_matches_reference_on_shapes(op, shape, dtype, fmt):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    _check(op, x, fmt)
+    _check(op, x, fmt, scale=torch.tensor([7.5]))  # a given (delayed) scale
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference_on_nonfinite_and_extreme_values(op, dtype, fmt):
+    x = _specials(dtype)
+    _check(op, x, fmt)  # NaN amax: the scale falls back to 1.0
+    _check(op, x.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0), fmt)  # huge and tiny
+    _check(op, x, fmt, scale=torch.tensor(1e30))  # finite products overflow FP32
+    _check(op, torch.full((4, 4), math.inf, dtype=dtype), fmt)
+    _check(op, torch.zeros(9, 3, dtype=dtype), fmt)  # amax 0: scale 1.0
+    _check(op, torch.full((4,), 1e-40).to(dtype), fmt)  # a scale that would overflow
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matches_reference_with_scale_options(op, fmt):
+    x = _specials(torch.float32).nan_to_num(nan=1.0, posinf=2.0, neginf=-2.0) * 1e-10
+    for power_2, epsilon in ((True, 0.0), (False, 1e-3), (True, 1e-12)):
+        _check(op, x, fmt, power_2=power_2, epsilon=epsilon)
+    _check(op, torch.zeros(3), fmt, epsilon=0.5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_non_contiguous_input(op, fmt):
+    x = torch.randn(40, 24)
+    _check(op, x.t(), fmt)
+    _check(op, x[::3, 1::2], fmt)
+    _check(op, torch.randn(4, 6, 10).permute(2, 0, 1), fmt)
+
+
+def test_rounding_matches_torch_cast_over_many_bit_patterns(op):
+    # Every 9973rd FP32 bit pattern, clamped into each format's range: the kernel's own
+    # FP8 rounding against torch's .to(float8).
+    bits = torch.arange(0, 2**32, 9973, dtype=torch.int64).to(torch.int32)
+    values = bits.view(torch.float32)
+    values = values[torch.isfinite(values)]
+    for fmt in FORMATS:
+        y = values.clamp(-ELEMENT_MAX[fmt], ELEMENT_MAX[fmt])
+        data, _, _ = op(y, torch.ones(()), FP8_DTYPES[fmt], False, 0.0, True, False)
+        assert torch.equal(_bytes(data), _bytes(y.to(FP8_DTYPES[fmt])))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 40), min_size=1, max_size=3),
+    dtype=st.sampled_from(DTYPES),
+    fmt=st.sampled_from(FORMATS),
+    log_range=st.floats(-30, 30),
+    special=st.sampled_from((None, *SPECIALS)),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_reference_property(op, shape, dtype, fmt, log_range, special, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * 10.0**log_range
+    if special is not None and x.numel():
+        x.view(-1)[seed % x.numel()] = special
+    _check(op, x.to(dtype), fmt)
+
+
+def test_fake_impl_matches_shapes(op):
+    x = torch.randn(6, 10)
+    torch.library.opcheck(op, (x, None, torch.float8_e4m3fn, False, 0.0, True, True))
+    torch.library.opcheck(op, (x, torch.ones(1), torch.float8_e5m2, False, 0.0, True, False))
+
+
+def _spy_reference(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = tensorwise.scale_and_cast
+    monkeypatch.setattr(tensorwise, "scale_and_cast", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_quantizer_uses_fused_and_agrees(op, kernels_mode, monkeypatch, columnwise):
+    x = torch.randn(3, 16, 32)
+    quantizer = CurrentScalingQuantizer(fmt="e5m2")
+    kernels_mode("reference")
+    ref = quantizer.quantize(x, columnwise=columnwise)
+    ref_scaled = quantize_with_scale(x, torch.tensor([2.0]), "e4m3", True, columnwise)
+    kernels_mode("auto")
+    calls = _spy_reference(monkeypatch)
+    fused = quantizer.quantize(x, columnwise=columnwise)
+    fused_scaled = quantize_with_scale(x, torch.tensor([2.0]), "e4m3", True, columnwise)
+    assert calls == []  # the reference never ran
+    for a, b in ((fused, ref), (fused_scaled, ref_scaled)):
+        assert torch.equal(_bytes(a.data), _bytes(b.data))
+        assert torch.equal(a.scale_inv, b.scale_inv) and a.scale_inv.shape == b.scale_inv.shape
+        if columnwise:
+            assert torch.equal(_bytes(a.data_t), _bytes(b.data_t))
+            assert a.data_t.shape == b.data_t.shape
+        assert torch.equal(a.dequantize(), b.dequantize())
+
+
+def test_reference_mode_forces_reference(kernels_mode, monkeypatch):
+    kernels_mode("reference")
+    calls = _spy_reference(monkeypatch)
+    CurrentScalingQuantizer().quantize(torch.randn(4, 4))
+    assert calls == [1]
+    assert kernels.tensorwise_op(torch.empty(1)) is None
+
+
+def test_unsupported_inputs_fall_back(op, kernels_mode, monkeypatch):
+    kernels_mode("auto")
+    calls = _spy_reference(monkeypatch)
+    x = torch.randn(4, 4)
+    assert kernels.tensorwise_op(x.to("meta")) is None  # not a CPU tensor
+    quantize_with_scale(x, torch.tensor(2.0, dtype=torch.float64), "e4m3", True, False)
+    assert calls == [1]  # a scale the kernel does not take
+
+
+def test_invalid_mode_is_refused(kernels_mode):
+    kernels_mode("fast")
+    with pytest.raises(ValueError, match="FASTCAST_KERNELS"):
+        kernels.tensorwise_op(torch.empty(1))
+
+
+def _break_the_compiler(monkeypatch, tmp_path):
+    # A fresh build directory (nothing cached) and a compiler that does not exist; the
+    # process forgets its loaded library for the test (restored after it).
+    monkeypatch.setattr(build, "_loaded_seconds", None)
+    monkeypatch.setenv("FASTCAST_KERNELS_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+
+
+def test_failed_build_warns_once_and_falls_back(kernels_mode, monkeypatch, tmp_path):
+    _break_the_compiler(monkeypatch, tmp_path)
+    kernels_mode("auto")
+    calls = _spy_reference(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="could not be built") as record:
+        CurrentScalingQuantizer().quantize(torch.randn(4, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        CurrentScalingQuantizer().quantize(torch.randn(4, 4))
+    assert len(record) == 1 and calls == [1, 1]
+
+
+def test_failed_build_is_an_error_when_fused_is_forced(kernels_mode, monkeypatch, tmp_path):
+    _break_the_compiler(monkeypatch, tmp_path)
+    kernels_mode("fused")
+    with pytest.raises(RuntimeError, match="FASTCAST_KERNELS=fused"):
+        CurrentScalingQuantizer().quantize(torch.randn(4, 4))
+
+
+def test_build_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("FASTCAST_KERNELS_DIR", str(tmp_path))
+    assert build.build_dir().parent == tmp_path
