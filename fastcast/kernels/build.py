@@ -9,10 +9,15 @@ once and leaves the reference path in charge; nothing is compiled at import.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
+import shutil
+import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -28,9 +33,13 @@ LDFLAGS = ("-fopenmp",)
 NAMESPACE = "fastcast_kernels"
 
 
-# Seconds the successful load took; the library is loaded at most once per process
-# (a second load would register its operators twice).
+logger = logging.getLogger("fastcast")
+
+# Seconds the successful load took. A process fact, like the loaded library itself: it is
+# loaded at most once per process (a second load would register its operators twice),
+# under a lock, since two threads may quantize for the first time together.
 _loaded_seconds: float | None = None
+_load_lock = threading.Lock()
 
 
 class BuildError(RuntimeError):
@@ -54,27 +63,53 @@ def load() -> float:
     Raises ``BuildError`` with the compiler's message when it cannot.
     """
     global _loaded_seconds
-    if _loaded_seconds is not None:
-        return _loaded_seconds
-    from torch.utils import cpp_extension  # noqa: PLC0415 - slow import, first use only
+    with _load_lock:
+        if _loaded_seconds is not None:
+            return _loaded_seconds
+        from torch.utils import cpp_extension  # noqa: PLC0415 - slow import, first use only
 
-    start = time.perf_counter()
-    directory = build_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    try:
-        cpp_extension.load(
-            name=NAMESPACE,
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS),
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # a missing compiler, ninja, or headers: all mean "no kernels"
-        raise BuildError(f"{type(exc).__name__}: {exc}") from exc
-    _loaded_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        directory = build_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            with _ninja_on_path():
+                cpp_extension.load(
+                    name=NAMESPACE,
+                    sources=[str(s) for s in SOURCES],
+                    extra_cflags=list(CFLAGS),
+                    extra_ldflags=list(LDFLAGS),
+                    build_directory=str(directory),
+                    is_python_module=False,
+                    verbose=False,
+                )
+        except Exception as exc:  # a missing compiler, ninja, or headers: "no kernels"
+            raise BuildError(f"{type(exc).__name__}: {exc}") from exc
+        _loaded_seconds = time.perf_counter() - start
+    # First use builds (about 10 s on two cores); later processes load the cached build.
+    logger.info("fused quantize kernels ready in %.1f s (%s)", _loaded_seconds, directory)
     return _loaded_seconds
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """``cpp_extension`` runs ``ninja`` from PATH. The ``ninja`` wheel (a dependency)
+    puts it in the environment's bin directory, which is not on PATH when the
+    environment's Python is run without activating it: add that directory for the build."""
+    bin_dir = None
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError):
+            import ninja  # noqa: PLC0415 - only to locate the executable
+
+            bin_dir = ninja.BIN_DIR
+    if bin_dir is None:
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join((bin_dir, path)) if path else bin_dir
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
 
 
 def warn_unavailable(reason: str) -> None:
