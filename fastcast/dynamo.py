@@ -334,8 +334,8 @@ def _traced_runs_kernel(a: Any, b: Any, device_type: str) -> bool:
     return device_type != "cuda" or gemm._fits_cuda_kernel(a, b)
 
 
-@torch.compiler.substitute_in_graph(_kernel_choice.tensorwise_op, skip_signature_check=True)
-def _traced_tensorwise_op(x: torch.Tensor) -> Any:
+@torch.compiler.substitute_in_graph(_kernel_choice.fused_op, skip_signature_check=True)
+def _traced_fused_op(name: str, x: torch.Tensor) -> Any:
     # A graph traces the reference quantize, which Inductor fuses with its neighbours
     # (the eager C++ operator would be one opaque call in the graph, and its first use
     # may build the library).

@@ -23,6 +23,9 @@ from pathlib import Path
 import torch
 
 SOURCES = (Path(__file__).parent / "csrc" / "tensorwise.cpp",)
+# The operators the library defines (each source file its own, TORCH_LIBRARY_FRAGMENT
+# beside the one TORCH_LIBRARY); ``choice.fused_op`` hands them out by name.
+OPS = ("quantize_tensorwise",)
 # -O3 vectorises the amax and cast loops (the other two let it if-convert float
 # comparisons; neither changes a value). No -march=native: a shared build directory
 # must not hold code that faults on an older CPU.

@@ -9,7 +9,7 @@
 
 The library is built on the first quantize that could use it, never at import. Under
 ``torch.compile`` the reference is what gets traced (``fastcast.dynamo`` replaces
-``tensorwise_op`` there), so Inductor fuses it with its neighbours.
+``fused_op`` there), so Inductor fuses it with its neighbours.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from . import build
 
 MODES = ("auto", "fused", "reference")
 
-_UNSET: Any = object()
-# The per-tensor operator once resolved: the op, or None where the reference runs.
-_tensorwise: Any = _UNSET
+# The fused operators by name once resolved ({} where the reference runs), or None
+# before the first quantize that could use them. A process fact, like the library.
+_ops: dict[str, Any] | None = None
 # Seconds the first load took (build included), None until then or without the library.
 build_seconds: float | None = None
 
@@ -38,24 +38,30 @@ def kernels_mode() -> str:
     return mode
 
 
+def fused_op(name: str, x: torch.Tensor) -> Any:
+    """The fused operator ``name`` (one of ``build.OPS``) for ``x``, or None: the
+    reference runs."""
+    ops = _ops
+    if ops is None:
+        ops = _resolve()
+    return ops.get(name) if x.is_cpu else None
+
+
 def tensorwise_op(x: torch.Tensor) -> Any:
-    """The fused per-tensor quantize operator for ``x``, or None: the reference runs."""
-    op = _tensorwise
-    if op is _UNSET:
-        op = _resolve()
-    return op if op is not None and x.is_cpu else None
+    """The fused per-tensor quantize operator for ``x``, or None."""
+    return fused_op("quantize_tensorwise", x)
 
 
 def refresh() -> None:
     """Choose again on the next quantize (after changing ``FASTCAST_KERNELS``)."""
-    global _tensorwise
-    _tensorwise = _UNSET
+    global _ops
+    _ops = None
 
 
-def _resolve() -> Any:
-    global _tensorwise, build_seconds
+def _resolve() -> dict[str, Any]:
+    global _ops, build_seconds
     mode = kernels_mode()
-    op = None
+    ops: dict[str, Any] = {}
     if mode != "reference":
         try:
             seconds = build.load()
@@ -70,6 +76,7 @@ def _resolve() -> Any:
                 build_seconds = seconds
             from . import fake  # noqa: F401, PLC0415 - needs the library's schemas
 
-            op = torch.ops.fastcast_kernels.quantize_tensorwise.default
-    _tensorwise = op
-    return op
+            library = getattr(torch.ops, build.NAMESPACE)
+            ops = {name: getattr(library, name).default for name in build.OPS}
+    _ops = ops
+    return ops
