@@ -12,7 +12,10 @@ need it), so the GEMMs cost next to nothing and the times measure CPU overhead: 
 and the number of tensor operations dispatched. torchao's ``Float8Linear`` (tensorwise
 dynamic scaling, the recipe ``Float8CurrentScaling`` also implements) is skipped when
 torchao is not installed. The module runs on one intra-op thread (restored afterwards):
-the pool cannot speed up such shapes, only add stalls where cores are shared.
+the pool cannot speed up such shapes, only add stalls where cores are shared. Each
+entry also records the ATen operations one iteration dispatches (``aten_ops``, counted
+by a ``TorchDispatchMode`` in an untimed run; a fused operator counts as one), the loss's
+``sum`` and its backward included.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastcast as fc
 
@@ -44,6 +48,14 @@ TARGETS = [
         "test_torchao_float8_linear",
         0.25,
         "fc.Linear fwd+bwd (current scaling) / torchao Float8Linear",
+    ),
+    (
+        GROUP,
+        "test_fc_linear_current",
+        None,
+        25,
+        "fc.Linear fwd+bwd (current scaling): ATen ops per iteration",
+        "aten_ops",
     ),
     (
         GROUP,
@@ -106,10 +118,25 @@ def _autocast_loop(layer: nn.Module, x: torch.Tensor, recipe: fc.Recipe):
     return loop
 
 
+class _CountOps(TorchDispatchMode):
+    """Counts the ATen operations dispatched (a fused operator counts as one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _run(benchmark, group: str, loop) -> None:
     benchmark.group = group
     benchmark.extra_info["inner"] = INNER
     loop()  # first call builds plans and caches outside the timing
+    with _CountOps() as ops:  # the same loop, untimed: what one iteration dispatches
+        loop()
+    benchmark.extra_info["aten_ops"] = ops.count / INNER
     benchmark(loop)
     assert not fc.is_autocast_enabled() and fc.get_autocast_recipe() is None
 

@@ -20,14 +20,16 @@ def _check_target(module: str, target: object) -> dict:
     ok = (
         isinstance(target, tuple)
         and len(target) in (5, 6)
-        and all(isinstance(x, str) for x in (*target[:3], *target[4:]))
+        and all(isinstance(x, str) for x in (*target[:2], *target[4:]))
+        and (isinstance(target[2], str) or (target[2] is None and len(target) == 6))
         and isinstance(target[3], numbers.Real)
         and target[3] > 0
     )
     if not ok:
         raise pytest.UsageError(
             f"{module}.TARGETS entries must be (group, subject_test, reference_test, "
-            f"max_ratio > 0, label[, extra_info metric]) tuples, got {target!r}"
+            "max_ratio > 0, label[, extra_info metric]) tuples (reference_test None with "
+            f"a metric: the metric's value itself is limited), got {target!r}"
         )
     group, subject, reference, max_ratio, label = target[:5]
     return {

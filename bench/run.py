@@ -34,9 +34,12 @@ Conventions for benchmark modules
   ``subject`` and ``reference`` are test names as pytest-benchmark reports them
   (``test_name``, or ``test_name[param]`` when parametrized), both in ``group``; the
   target passes when ``median(subject) / median(reference) <= max_ratio``. A sixth
-  element names an ``extra_info`` key to compare instead of the median (``"bytes"``).
+  element names an ``extra_info`` key to compare instead of the median (``"bytes"``);
+  with it, ``reference`` may be None: the subject's value itself must be <= the limit
+  (``"aten_ops"``, a count of ATen operations).
 - A benchmark that writes a file records its size as ``benchmark.extra_info["bytes"]``;
-  its group's table then shows it in a ``bytes`` column.
+  its group's table then shows it in a ``bytes`` column. Likewise ``"aten_ops"`` (ATen
+  operations dispatched per iteration) gets an ``ATen ops`` column.
 - Per-test timing options can be changed with ``@pytest.mark.benchmark(min_rounds=...,
   max_time=...)``; slow benchmarks should lower ``min_rounds`` there, not here.
 """
@@ -162,6 +165,14 @@ class Entry:
         return self.median if name == "median" else float(self.extra.get(name, math.nan))
 
 
+def _format_count(value: object) -> str:
+    return "" if value is None else f"{value:g}"
+
+
+# extra_info keys shown as a column of their group's table: (header, format).
+EXTRA_COLUMNS = {"bytes": ("bytes", format_bytes), "aten_ops": ("ATen ops", _format_count)}
+
+
 def load(path: Path) -> tuple[dict, list[Entry]]:
     data = json.loads(path.read_text())
     return data, [Entry(b) for b in data.get("benchmarks", [])]
@@ -193,7 +204,7 @@ def build_report(data: dict, entries: list[Entry]) -> tuple[list[str], list[str]
     for group in sorted(groups):
         members = sorted(groups[group], key=lambda e: e.median)
         fastest = members[0].median
-        sized = any("bytes" in e.extra for e in members)
+        extras = [c for c in EXTRA_COLUMNS if any(c in e.extra for e in members)]
         rows = [
             [
                 e.name,
@@ -201,11 +212,11 @@ def build_report(data: dict, entries: list[Entry]) -> tuple[list[str], list[str]
                 format_time(e.iqr),
                 format_ratio(e.median / fastest if fastest > 0 else math.nan),
                 str(e.rounds),
-                *([format_bytes(e.extra.get("bytes"))] if sized else []),
+                *(EXTRA_COLUMNS[c][1](e.extra.get(c)) for c in extras),
             ]
             for e in members
         ]
-        columns = [*headers, "bytes"] if sized else headers
+        columns = [*headers, *(EXTRA_COLUMNS[c][0] for c in extras)]
         right = set(range(1, len(columns)))
         inners = sorted({e.inner for e in members})
         note = (
@@ -220,24 +231,30 @@ def build_report(data: dict, entries: list[Entry]) -> tuple[list[str], list[str]
     by_key = {(e.module, e.group, e.name): e for e in entries}
     rows, missed, skipped, not_run = [], 0, 0, 0
     for t in info.get("targets", []):
+        absolute = t["reference"] is None  # a limit on the subject's metric itself
         subject = by_key.get((t["module"], t["group"], t["subject"]))
-        reference = by_key.get((t["module"], t["group"], t["reference"]))
-        if subject is None and reference is None:
-            skipped += 1  # neither ran (filtered out with -k, say)
+        reference = None if absolute else by_key.get((t["module"], t["group"], t["reference"]))
+        if subject is None and (absolute or reference is None):
+            skipped += 1  # nothing ran (filtered out with -k, say)
             continue
-        limit = f"<= {t['max_ratio']:.2f}x"
-        if subject is None or reference is None:
+        limit = f"<= {t['max_ratio']:g}" if absolute else f"<= {t['max_ratio']:.2f}x"
+        if subject is None or (reference is None and not absolute):
             missing = t["subject"] if subject is None else t["reference"]
             rows.append([t["label"], "n/a", limit, f"NOT RUN ({missing})"])
             not_run += 1
             continue
         metric = t.get("metric", "median")
-        ref_value = reference.metric(metric)
-        ratio = subject.metric(metric) / ref_value if ref_value > 0 else math.inf
-        ok = ratio <= t["max_ratio"]
+        value = subject.metric(metric)
+        if absolute:
+            measured = f"{value:g}"
+        else:
+            ref_value = reference.metric(metric)
+            value = value / ref_value if ref_value > 0 else math.inf
+            measured = format_ratio(value)
+        ok = value <= t["max_ratio"]
         missed += not ok
         label = t["label"] if metric == "median" else f"{t['label']} [{metric}]"
-        rows.append([label, format_ratio(ratio), limit, "PASS" if ok else "MISS"])
+        rows.append([label, measured, limit, "PASS" if ok else "MISS"])
     if rows:
         headers = ["target", "measured", "limit", "result"]
         measured = len(rows) - not_run
@@ -246,7 +263,11 @@ def build_report(data: dict, entries: list[Entry]) -> tuple[list[str], list[str]
             summary += f" ({not_run + skipped} not measured)"
         if missed:
             summary += f"; {missed} MISSED"
-        text += ["", "[targets]  (ratio subject / reference of the median, or of the metric named)"]
+        text += [
+            "",
+            "[targets]  (ratio subject / reference of the median, or of the metric named;"
+            " a limit without x applies to the metric itself)",
+        ]
         text += [*_text_table(headers, rows, {1, 2}), summary]
         md_rows = [[*r[:3], f"**{r[3]}**" if r[3] == "MISS" else md_escape(r[3])] for r in rows]
         md += ["## Targets", "", *_md_table(headers, md_rows, {1, 2}, raw=frozenset({3}))]
