@@ -19,6 +19,7 @@ import torch
 from fp8_reference import FMT_MAX, FP8, decode_fp8, encode_fp8, to_f32
 
 import fastcast as fc
+from fastcast import kernels
 from fastcast.tensor import Float8Tensor, MXFP8Tensor, NVFP4Tensor
 
 BACKENDS = ["hardware", "emulate"]
@@ -356,6 +357,10 @@ def test_empty_operands(backend):
 
 # -- backend selection -------------------------------------------------------------------------
 def test_auto_uses_the_cpu_kernel_for_tensorwise(monkeypatch, gemm_mode):
+    # Without the fused kernels (tests/test_kernels.py checks that theirs is equal).
+    monkeypatch.setenv("FASTCAST_KERNELS", "reference")
+    kernels.refresh()
+    monkeypatch.setattr(kernels.choice, "_ops", None)  # chosen again after the test too
     gemm_mode("auto")
     calls = []
     real = torch._scaled_mm

@@ -3,6 +3,7 @@ choice between them (``FASTCAST_KERNELS``, a failed build)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 
@@ -11,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fastcast as fc
 from fastcast import kernels
 from fastcast.kernels import build, choice
 from fastcast.quantize import tensorwise
@@ -232,3 +234,43 @@ def test_failed_build_is_an_error_when_fused_is_forced(kernels_mode, monkeypatch
 def test_build_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("FASTCAST_KERNELS_DIR", str(tmp_path))
     assert build.build_dir().parent == tmp_path
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_gemm_equals_scaled_mm(op, out_dtype, with_bias):
+    """The fused per-tensor GEMM gives torch._scaled_mm's CPU values bit for bit, for
+    both FP8 formats, transposed (strided) operands and a bias of the output dtype."""
+    gemm = choice.fused_op("scaled_mm_tensorwise", torch.empty(1))
+    gen = torch.Generator().manual_seed(3)
+    for (m, k, n), fmts in itertools.product(
+        [(16, 16, 16), (33, 64, 17), (1, 8, 5)], [("e4m3", "e4m3"), ("e4m3", "e5m2")]
+    ):
+        a = (torch.randn(m, k, generator=gen) * 4).to(FP8_DTYPES[fmts[0]])
+        b = (torch.randn(k, n, generator=gen) * 4).to(FP8_DTYPES[fmts[1]]).t()  # strided
+        scale_a, scale_b = torch.tensor(0.37), torch.tensor(1.9)
+        bias = torch.randn(n, generator=gen).to(out_dtype) if with_bias else None
+        want = torch._scaled_mm(
+            a, b.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype
+        )
+        got = gemm(a, b, scale_a, scale_b, bias, out_dtype)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_scaled_mm_takes_the_fused_gemm_with_the_same_values(op, kernels_mode):
+    """fc.scaled_mm on per-tensor CPU operands (3-D input, a bias, bf16 output) gives
+    the same bits with the fused kernels as with torch._scaled_mm."""
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(5))
+    w = torch.randn(16, 32, generator=torch.Generator().manual_seed(6))
+    bias = torch.randn(16).bfloat16()
+
+    def product():
+        a = tensorwise.CurrentScalingQuantizer().quantize(x)
+        b = tensorwise.CurrentScalingQuantizer().quantize(w)
+        return fc.scaled_mm(a, b, out_dtype=torch.bfloat16, bias=bias)
+
+    kernels_mode("reference")
+    want = product()
+    kernels_mode("auto")
+    assert choice.fused_op("scaled_mm_tensorwise", x) is not None
+    assert torch.equal(product(), want)
