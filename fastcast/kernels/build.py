@@ -22,10 +22,13 @@ from pathlib import Path
 
 import torch
 
-SOURCES = (Path(__file__).parent / "csrc" / "tensorwise.cpp",)
+SOURCES = (
+    Path(__file__).parent / "csrc" / "tensorwise.cpp",
+    Path(__file__).parent / "csrc" / "nvfp4.cpp",
+)
 # The operators the library defines (each source file its own, TORCH_LIBRARY_FRAGMENT
 # beside the one TORCH_LIBRARY); ``choice.fused_op`` hands them out by name.
-OPS = ("quantize_tensorwise",)
+OPS = ("quantize_tensorwise", "quantize_nvfp4")
 # -O3 vectorises the amax and cast loops (the other two let it if-convert float
 # comparisons; neither changes a value). No -march=native: a shared build directory
 # must not hold code that faults on an older CPU.
