@@ -135,19 +135,19 @@ def test_matches_reference_on_nonfinite_and_zero_blocks(op, dtype, block_2d):
 def _near_ties() -> torch.Tensor:
     """Elements that, scaled, land on the E2M1 midpoints and one FP32 step either side.
 
-    The block of 2688 (= 6 * 448) makes s_enc 1, so the blocks of amax 6 get s_dec 1 and
-    a multiplier of exactly 1.
+    One such value per block of row 0, every other element 6, and one 2688 (= 6 * 448) in
+    the last block of row 15: s_enc is 1, so every block (row-wise, column-wise or tile)
+    but that last one has amax 6, s_dec 1 and a multiplier of exactly 1.
     """
     midpoints = torch.tensor([m for m, _ in nvfp4._MIDPOINTS])
     around = torch.cat(
         [midpoints, midpoints.nextafter(torch.tensor(0.0)), midpoints.nextafter(torch.tensor(9.0))]
     )
-    values = torch.cat([around, -around, torch.tensor([6.0, -6.0])])  # 44 values
-    blocks = values.reshape(-1, 4).repeat_interleave(4, dim=1).reshape(-1)  # blocks of 16
-    rows = torch.full((16, 16 * 12), 6.0)
-    rows.view(-1)[: blocks.numel()] = blocks
-    rows[15, :16] = 2688.0
-    return rows
+    values = torch.cat([around, -around, torch.tensor([6.0, -6.0, -0.0])])  # 45 values
+    x = torch.full((16, 16 * 48), 6.0)
+    x[0, : 16 * values.numel() : 16] = values
+    x[15, -1] = 2688.0
+    return x
 
 
 @pytest.mark.parametrize("block_2d", [False, True])
