@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("tensorwise.cpp", "gemm.cpp"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("tensorwise.cpp", "gemm.cpp", "nvfp4.cpp"))
 # The operators the library defines (each source file its own, TORCH_LIBRARY_FRAGMENT
 # beside the one TORCH_LIBRARY); ``choice.fused_op`` hands them out by name.
-OPS = ("quantize_tensorwise", "scaled_mm_tensorwise")
+OPS = ("quantize_tensorwise", "scaled_mm_tensorwise", "quantize_nvfp4")
 # -O3 vectorises the amax and cast loops (the other two let it if-convert float
 # comparisons; neither changes a value). No -march=native: a shared build directory
 # must not hold code that faults on an older CPU.

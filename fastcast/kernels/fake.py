@@ -43,3 +43,28 @@ def _scaled_mm_tensorwise(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@torch.library.register_fake("fastcast_kernels::quantize_nvfp4")
+def _quantize_nvfp4(
+    x: torch.Tensor,
+    block_2d: bool,
+    rowwise: bool,
+    columnwise: bool,
+    stochastic: bool,
+    rand: torch.Tensor | None,
+    rand_t: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    cols = x.shape[-1]
+    rows = math.prod(x.shape[:-1])  # x viewed as [R, K], in blocks of 16 along K
+    blocks, strips = cols // 16, rows // 16
+    scale_rows = strips if block_2d else rows
+    scale_t_rows = blocks if block_2d else cols
+    codes, e4m3 = torch.uint8, torch.float8_e4m3fn
+    return (
+        x.new_empty((rows if rowwise else 0, cols // 2), dtype=codes),
+        x.new_empty((scale_rows if rowwise else 0, blocks), dtype=e4m3),
+        x.new_empty((cols if columnwise else 0, rows // 2), dtype=codes),
+        x.new_empty((scale_t_rows if columnwise else 0, strips), dtype=e4m3),
+        x.new_empty((), dtype=torch.float32),
+    )

@@ -33,10 +33,11 @@ values beyond the range saturate: elements at the code for 6, block scales at 44
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
+from ..kernels import fused_op
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import E2M1_VALUES, NVFP4Tensor
@@ -181,6 +182,9 @@ class NVFP4Quantizer:
                 f"but the last dimension) to be a multiple of {BLOCK}; got a tensor of "
                 f"shape {tuple(x.shape)}"
             )
+        op = fused_op("quantize_nvfp4", x)
+        if op is not None:  # both passes in one operator
+            return self._quantize_fused(op, x, rows, cols, rowwise, columnwise, generator)
         matrix = matrix.float()
         tile_rows = BLOCK if self.block_2d else 1
         sr, gen = self.stochastic_rounding, generator
@@ -219,4 +223,41 @@ class NVFP4Quantizer:
             scale_inv_t=scale_inv_t,
             block_t=block,
             global_scale_inv=s_enc.reciprocal(),
+        )
+
+    def _quantize_fused(
+        self,
+        op: Any,
+        x: torch.Tensor,
+        rows: int,
+        cols: int,
+        rowwise: bool,
+        columnwise: bool,
+        generator: torch.Generator | None,
+    ) -> NVFP4Tensor:
+        """``quantize`` by the fused operator, bit for bit. Stochastic rounding takes its
+        draws from the calls the reference makes (same shapes, same order, so the same
+        numbers and the same generator state after), as the operator's inputs."""
+        rand = rand_t = None
+        if self.stochastic_rounding:
+            draw = dict(generator=generator, dtype=torch.float32, device=x.device)
+            if rowwise or self.block_2d:  # the row-wise codes (16x16: both layouts')
+                rand = torch.rand((rows, cols), **draw)
+            if columnwise and not self.block_2d:  # the codes of x.t()
+                rand_t = torch.rand((cols, rows), **draw)
+        data, scale_inv, data_t, scale_inv_t, global_scale_inv = op(
+            x, self.block_2d, rowwise, columnwise, self.stochastic_rounding, rand, rand_t
+        )
+        block = (BLOCK if self.block_2d else 1, BLOCK)
+        return NVFP4Tensor(
+            fmt=self.fmt,
+            shape=x.shape,
+            dtype=x.dtype,
+            data=data.reshape(*x.shape[:-1], cols // 2) if rowwise else None,
+            scale_inv=scale_inv if rowwise else None,
+            block=block,
+            data_t=data_t if columnwise else None,
+            scale_inv_t=scale_inv_t if columnwise else None,
+            block_t=block,
+            global_scale_inv=global_scale_inv,
         )
