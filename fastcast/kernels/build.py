@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 
 SOURCES = (Path(__file__).parent / "csrc" / "tensorwise.cpp",)
+# Included by the sources: part of what the build directory is keyed by.
+HEADERS = (Path(__file__).parent / "csrc" / "fp8.h",)
 # The operators the library defines (each source file its own, TORCH_LIBRARY_FRAGMENT
 # beside the one TORCH_LIBRARY); ``choice.fused_op`` hands them out by name.
 OPS = ("quantize_tensorwise",)
@@ -52,7 +54,7 @@ class BuildError(RuntimeError):
 def build_dir() -> Path:
     """Where this source, these flags and this torch build their library."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(torch.__version__.encode())
