@@ -22,12 +22,15 @@ from pathlib import Path
 
 import torch
 
-SOURCES = (Path(__file__).parent / "csrc" / "tensorwise.cpp",)
+SOURCES = (
+    Path(__file__).parent / "csrc" / "tensorwise.cpp",
+    Path(__file__).parent / "csrc" / "blocks.cpp",
+)
 # Included by the sources: part of what the build directory is keyed by.
 HEADERS = (Path(__file__).parent / "csrc" / "fp8.h",)
 # The operators the library defines (each source file its own, TORCH_LIBRARY_FRAGMENT
 # beside the one TORCH_LIBRARY); ``choice.fused_op`` hands them out by name.
-OPS = ("quantize_tensorwise",)
+OPS = ("quantize_tensorwise", "quantize_blocks", "quantize_mxfp8")
 # -O3 vectorises the amax and cast loops (the other two let it if-convert float
 # comparisons; neither changes a value). No -march=native: a shared build directory
 # must not hold code that faults on an older CPU.
