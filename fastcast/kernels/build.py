@@ -23,10 +23,18 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("tensorwise.cpp", "gemm.cpp", "nvfp4.cpp"))
+SOURCES = tuple(CSRC / name for name in ("tensorwise.cpp", "blocks.cpp", "nvfp4.cpp", "gemm.cpp"))
+# Included by the sources: part of what the build directory is keyed by.
+HEADERS = (CSRC / "fp8.h",)
 # The operators the library defines (each source file its own, TORCH_LIBRARY_FRAGMENT
 # beside the one TORCH_LIBRARY); ``choice.fused_op`` hands them out by name.
-OPS = ("quantize_tensorwise", "scaled_mm_tensorwise", "quantize_nvfp4")
+OPS = (
+    "quantize_tensorwise",
+    "quantize_blocks",
+    "quantize_mxfp8",
+    "quantize_nvfp4",
+    "scaled_mm_tensorwise",
+)
 # -O3 vectorises the amax and cast loops (the other two let it if-convert float
 # comparisons; neither changes a value). No -march=native: a shared build directory
 # must not hold code that faults on an older CPU.
@@ -53,7 +61,7 @@ class BuildError(RuntimeError):
 def build_dir() -> Path:
     """Where this source, these flags and this torch build their library."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(torch.__version__.encode())

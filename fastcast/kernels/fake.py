@@ -68,3 +68,26 @@ def _quantize_nvfp4(
         x.new_empty((scale_t_rows if columnwise else 0, strips), dtype=e4m3),
         x.new_empty((), dtype=torch.float32),
     )
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@torch.library.register_fake("fastcast_kernels::quantize_blocks")
+def _quantize_blocks(
+    m: torch.Tensor, tile_rows: int, dtype: torch.dtype, power_2: bool, epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = m.shape
+    scales = (_ceil_div(rows, tile_rows), _ceil_div(cols, 128))
+    return m.new_empty((rows, cols), dtype=dtype), m.new_empty(scales, dtype=torch.float32)
+
+
+@torch.library.register_fake("fastcast_kernels::quantize_mxfp8")
+def _quantize_mxfp8(
+    m: torch.Tensor, dtype: torch.dtype, ocp: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = m.shape
+    return m.new_empty((rows, cols), dtype=dtype), m.new_empty(
+        (rows, cols // 32), dtype=torch.uint8
+    )

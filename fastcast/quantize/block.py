@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from ..kernels import fused_op
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import FP8_DTYPES, Float8Tensor
@@ -40,7 +41,15 @@ def quantize_tiles(
     the padding off again would be shorter, but torch 2.13's Inductor miscompiles that
     pattern on the CPU (the edge tiles' codes come out wrong, silently), and this code
     is also what ``torch.compile`` traces.
+
+    ``m`` may be any strided matrix. The fused operator reads a transposed view (the
+    column-wise layout's ``m.t()``) in place; the reference copies it first, so that
+    every pass over it reads memory in order.
     """
+    op = fused_op("quantize_blocks", m)
+    if op is not None:  # amax, scale and cast of every tile in one operator
+        return op(m, tile_rows, FP8_DTYPES[fmt], power_2, epsilon)
+    m = m.contiguous()
     rows, cols = m.shape
     if m.numel() == 0:
         scales = (_ceil_div(rows, tile_rows), _ceil_div(cols, TILE))
@@ -166,9 +175,8 @@ class BlockScalingQuantizer:
                 # Square tiles transpose onto themselves.
                 data_t, scale_inv_t = data.t().contiguous(), scale_inv.t().contiguous()
             else:
-                # Tiles run along R: quantize the transposed matrix (copied first, so
-                # that every pass over it reads memory in order).
-                data_t, scale_inv_t = quantize_tiles(m.t().contiguous(), tile_rows, *args)
+                # Tiles run along R: quantize the transposed matrix.
+                data_t, scale_inv_t = quantize_tiles(m.t(), tile_rows, *args)
         return Float8Tensor(
             fmt=self.fmt,
             shape=x.shape,

@@ -13,9 +13,10 @@ from typing import ClassVar
 
 import torch
 
+from ..kernels import fused_op
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
-from ..tensor import MXFP8Tensor
+from ..tensor import FP8_DTYPES, MXFP8Tensor
 from .base import as_matrix, check_fp8_format, check_input, scale_and_cast
 
 MX_BLOCK = 32
@@ -61,7 +62,15 @@ def quantize_blocks(m: torch.Tensor, fmt: str, rule: str) -> tuple[torch.Tensor,
     """Quantize ``m`` ``[R, K]`` (K a multiple of 32) in 1x32 blocks.
 
     Returns FP8 data ``[R, K]`` (contiguous) and E8M0 bytes ``[R, K/32]`` (uint8).
+
+    ``m`` may be any strided matrix. The fused operator reads a transposed view (the
+    column-wise layout's ``m.t()``) in place; the reference copies it first, so that
+    every pass over it reads memory in order.
     """
+    op = fused_op("quantize_mxfp8", m)
+    if op is not None:  # amax, exponent and cast of every block in one operator
+        return op(m, FP8_DTYPES[fmt], rule == "ocp")
+    m = m.contiguous()
     rows, cols = m.shape
     blocks = m.reshape(rows, cols // MX_BLOCK, MX_BLOCK).float()
     # Non-finite elements do not take part in the amax (an all-NaN block has amax 0), so
@@ -141,9 +150,8 @@ class MXFP8Quantizer:
             data, scale_inv = quantize_blocks(m, self.fmt, self.scale_rule)
             data = data.reshape(x.shape)
         if columnwise:
-            # Blocks run along R: quantize the transposed matrix (copied first, so that
-            # every pass over it reads memory in order).
-            data_t, scale_inv_t = quantize_blocks(m.t().contiguous(), self.fmt, self.scale_rule)
+            # Blocks run along R: quantize the transposed matrix.
+            data_t, scale_inv_t = quantize_blocks(m.t(), self.fmt, self.scale_rule)
         return MXFP8Tensor(
             fmt=self.fmt,
             shape=x.shape,
