@@ -25,53 +25,15 @@
 #include <tuple>
 #include <vector>
 
-// As in tensorwise.cpp: the hot loops get AVX-512 and AVX2 clones picked at load time.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FASTCAST_NVFP4_HOT \
-  __attribute__((noinline, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define FASTCAST_NVFP4_HOT __attribute__((noinline))
-#endif
+#include "fp8.h"
 
 namespace fastcast {
 namespace nvfp4 {
 namespace {
 
 constexpr int64_t kBlock = 16;
-// Elements per task, as in tensorwise.cpp.
-constexpr int64_t kGrain = 1 << 15;
 constexpr float kE2M1Max = 6.0f;
 constexpr float kE4M3Max = 448.0f;
-
-uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-float float_of(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// Magnitude bits (as in tensorwise.cpp): ordered like the magnitudes, NaN above infinity,
-// so a max over them is an integer max that vectorises and propagates NaN.
-inline uint32_t magnitude(float v) { return bits_of(v) & 0x7FFFFFFFu; }
-inline uint32_t magnitude(c10::BFloat16 v) { return v.x & 0x7FFFu; }
-inline uint32_t magnitude(c10::Half v) { return v.x & 0x7FFFu; }
-
-// The FP32 magnitude whose T magnitude bits are `m` (exact: T widens exactly).
-template <typename T>
-float from_magnitude(uint32_t m) {
-  T v;
-  v.x = static_cast<uint16_t>(m);
-  return static_cast<float>(v);
-}
-template <>
-float from_magnitude<float>(uint32_t m) {
-  return float_of(m);
-}
 
 // What the tiles of one quantization share: the shape, the layouts asked, where the
 // draws, block amaxes and outputs are. `rows x cols` is the input viewed as [R, K].
@@ -94,7 +56,7 @@ struct Job {
 
 // Magnitude bits of each 16-element block of one row: block_max[cb] for cb < blocks.
 template <typename T>
-FASTCAST_NVFP4_HOT void block_maxima(const T* __restrict row, int64_t blocks,
+FASTCAST_HOT void block_maxima(const T* __restrict row, int64_t blocks,
                                      uint32_t* __restrict block_max) {
   for (int64_t cb = 0; cb < blocks; ++cb) {
     uint32_t m = 0;
@@ -105,7 +67,7 @@ FASTCAST_NVFP4_HOT void block_maxima(const T* __restrict row, int64_t blocks,
 
 // Elementwise running maxima of magnitude bits down a strip: acc[c] over the rows seen.
 template <typename T>
-FASTCAST_NVFP4_HOT void column_maxima(const T* __restrict row, int64_t cols,
+FASTCAST_HOT void column_maxima(const T* __restrict row, int64_t cols,
                                       uint32_t* __restrict acc) {
   for (int64_t c = 0; c < cols; ++c) acc[c] = std::max(acc[c], magnitude(row[c]));
 }
@@ -178,20 +140,9 @@ float encode_scale(float amax) {
   return usable > 0 ? scale : 1.0f;
 }
 
-// Round a value in [0, 448] to its E4M3 byte, to nearest even, exactly as torch's cast
-// (c10's fp8e4m3fn_from_fp32_value) does there, but without branches so that a row of
-// block scales vectorises. A local copy of tensorwise.cpp's round_to_fp8<3, 7> for this
-// range (no sign, no overflow), to be shared once the FP8 helpers have a header.
-inline uint8_t e4m3_byte(float y) {
-  const uint32_t b = bits_of(y);
-  // Below the smallest normal 2**-6: an FP32 addition rounds into the subnormal codes.
-  constexpr uint32_t denorm_magic = uint32_t((127 - 7) + (23 - 3) + 1) << 23;
-  const uint32_t subnormal = bits_of(y + float_of(denorm_magic)) - denorm_magic;
-  // Normal: rebias the exponent and round the mantissa to nearest even.
-  const uint32_t odd = (b >> 20) & 1u;
-  const uint32_t normal = (b - (uint32_t(127 - 7) << 23) + ((1u << 19) - 1u) + odd) >> 20;
-  return static_cast<uint8_t>(b < (uint32_t(127 - 7 + 1) << 23) ? subnormal : normal);
-}
+// A value in [0, 448] as its E4M3 byte, rounded as torch's cast rounds (fp8.h; never
+// beyond the range here).
+inline uint8_t e4m3_byte(float y) { return round_to_fp8<3, 7>(y, 1087u << 20, 0x7Eu, 0x7Eu); }
 
 // The value of a non-negative E4M3 byte (0x7F: NaN), as c10 widens it, without branches.
 inline float e4m3_value(uint8_t byte) {
@@ -202,13 +153,11 @@ inline float e4m3_value(uint8_t byte) {
   return code == 0x7Fu ? std::numeric_limits<float>::quiet_NaN() : value;
 }
 
-inline bool is_finite(float v) { return (bits_of(v) & 0x7FFFFFFFu) < 0x7F800000u; }
-
 // The E4M3 byte of a block decode scale s_dec = amax_b / 6 * s_enc (scale_and_cast e4m3:
 // a non-finite amax gives NaN, a finite one saturates at 448).
 inline uint8_t decode_scale(float amax_b, float s_enc) {
   const uint8_t byte = e4m3_byte(std::min((amax_b / kE2M1Max) * s_enc, kE4M3Max));
-  return is_finite(amax_b) ? byte : uint8_t{0x7F};
+  return is_inf_or_nan(amax_b) ? uint8_t{0x7F} : byte;
 }
 
 // The per-block encode multiplier s_enc / s_dec from the stored E4M3 s_dec, clamped to the
@@ -220,7 +169,7 @@ inline float encode_multiplier(uint8_t s_dec_byte, float s_enc) {
 }
 
 // The scale bytes and encode multipliers of n blocks from their amaxes.
-FASTCAST_NVFP4_HOT void block_scales(const float* __restrict amax, int64_t n, float s_enc,
+FASTCAST_HOT void block_scales(const float* __restrict amax, int64_t n, float s_enc,
                                      uint8_t* __restrict s_dec, float* __restrict mult) {
   for (int64_t b = 0; b < n; ++b) {
     s_dec[b] = decode_scale(amax[b], s_enc);
@@ -267,7 +216,7 @@ inline uint8_t code_of(float x, float multiplier, float draw) {
 // multiplier of its block, spread over the block's elements, so the loop runs the whole
 // row at full vector width). Stochastic draws at rand[c * rand_stride].
 template <typename T, bool Stochastic>
-FASTCAST_NVFP4_HOT void row_codes(const T* __restrict x, const float* __restrict mult,
+FASTCAST_HOT void row_codes(const T* __restrict x, const float* __restrict mult,
                                   const float* __restrict rand, int64_t rand_stride, int64_t n,
                                   uint8_t* __restrict out) {
   for (int64_t c = 0; c < n; ++c) {
@@ -277,7 +226,7 @@ FASTCAST_NVFP4_HOT void row_codes(const T* __restrict x, const float* __restrict
 }
 
 // _pack: two codes per byte, the first in the low nibble (n codes, n even).
-FASTCAST_NVFP4_HOT void pack_pairs(const uint8_t* __restrict codes, int64_t n,
+FASTCAST_HOT void pack_pairs(const uint8_t* __restrict codes, int64_t n,
                                    uint8_t* __restrict out) {
   for (int64_t k = 0; k < n / 2; ++k)
     out[k] = static_cast<uint8_t>(codes[2 * k] | (codes[2 * k + 1] << 4));
