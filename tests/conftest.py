@@ -71,3 +71,14 @@ def single_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Dynamo's caches and counters reset before and after a test (compile tests: each
+    counts its own compilations and must not reuse another test's graphs)."""
+    import torch._dynamo  # noqa: PLC0415 - only the compile tests pay for it
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -16,14 +16,7 @@ from fastcast.quantize.block import BlockScalingQuantizer
 from fastcast.quantize.mx import MXFP8Quantizer
 from fastcast.quantize.tensorwise import CurrentScalingQuantizer
 
-pytestmark = pytest.mark.compile
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 def _mlp() -> nn.Module:

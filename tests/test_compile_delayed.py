@@ -16,14 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import fastcast as fc
 from fastcast.delayed import BACKWARD, FORWARD, Slab
 
-pytestmark = pytest.mark.compile
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 @pytest.fixture
