@@ -274,3 +274,32 @@ def test_scaled_mm_takes_the_fused_gemm_with_the_same_values(op, kernels_mode):
     kernels_mode("auto")
     assert choice.fused_op("scaled_mm_tensorwise", x) is not None
     assert torch.equal(product(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_record_amax_equals_reference(op, kernels_mode, dtype):
+    """The delayed-scaling amax slot (a view into a slab) ends with the same value fused
+    and reference: the larger of slot and amax, a non-finite amax recording nothing."""
+    gen = torch.Generator().manual_seed(4)
+    inputs = [
+        torch.randn(8, 24, generator=gen) * 3,
+        torch.randn(5, generator=gen) * 1e-3,  # below the slot: it keeps its value
+        torch.tensor([1.0, float("inf"), -2.0]),
+        torch.tensor([float("nan"), 7.0]),
+        torch.randn(2, 3, 16, generator=gen)[:, :, ::2] * 50,  # 3-D, not contiguous
+        torch.empty(0, 4),
+    ]
+
+    def slots_after() -> torch.Tensor:
+        slab = torch.zeros(3)
+        for i, x in enumerate(inputs):
+            tensorwise.record_amax(slab[i % 3 : i % 3 + 1], x.to(dtype))
+        return slab
+
+    kernels_mode("reference")
+    want = slots_after()
+    kernels_mode("auto")
+    assert choice.fused_op("record_amax", torch.empty(1)) is not None
+    assert torch.equal(slots_after(), want)
+    # Slot 2 saw only the inf's tensor and the empty one: nothing was recorded.
+    assert want[:2].gt(0).all() and want[2] == 0

@@ -30,6 +30,7 @@ HEADERS = (CSRC / "fp8.h",)
 # beside the one TORCH_LIBRARY); ``choice.fused_op`` hands them out by name.
 OPS = (
     "quantize_tensorwise",
+    "record_amax",
     "quantize_blocks",
     "quantize_mxfp8",
     "quantize_nvfp4",

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..kernels import tensorwise_op
+from ..kernels import fused_op, tensorwise_op
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import FP8_DTYPES, Float8Tensor
@@ -188,6 +188,10 @@ def record_amax(slot: torch.Tensor, x: torch.Tensor) -> None:
     non-finite values, so they reach the output or the gradients, where an overflow check
     (``torch.amp.GradScaler``) sees them and skips that step anyway.
     """
+    op = fused_op("record_amax", x)
+    if op is not None and slot.is_cpu:  # one pass, one dispatch
+        op(slot, x)
+        return
     # NaN and inf become 0, which never raises the slot (an amax is >= 0): no host sync.
     amax = tensor_amax(x).nan_to_num_(nan=0.0, posinf=0.0)
     torch.maximum(slot, amax.reshape(slot.shape), out=slot)

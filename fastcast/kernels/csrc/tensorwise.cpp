@@ -146,6 +146,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_tensorwise(
   return {data, scale_inv, data_t};
 }
 
+// slot = max(slot, amax(x)) in place for a finite amax; a non-finite one records nothing
+// (fastcast/quantize/tensorwise.py: record_amax, whose reasons hold here too).
+void record_amax(const at::Tensor& slot, const at::Tensor& input) {
+  TORCH_CHECK(slot.device().is_cpu() && slot.scalar_type() == at::kFloat && slot.numel() == 1,
+              "fastcast::record_amax: the slot must be a one-element FP32 CPU tensor");
+  TORCH_CHECK(input.device().is_cpu(), "fastcast::record_amax: CPU tensors only");
+  const at::Tensor x = input.contiguous();
+  const float amax = x.numel() == 0 ? 0.0f : amax_of(x);
+  if (!std::isfinite(amax)) return;
+  float* value = slot.data_ptr<float>();
+  *value = std::max(*value, amax);
+}
+
 // The cheapest op there is: measures what dispatch through torch.ops costs.
 at::Tensor noop(const at::Tensor& x) { return x; }
 
@@ -155,11 +168,13 @@ TORCH_LIBRARY(fastcast_kernels, m) {
   m.def(
       "quantize_tensorwise(Tensor x, Tensor? scale, ScalarType dtype, bool power_2, "
       "float epsilon, bool rowwise, bool columnwise) -> (Tensor, Tensor, Tensor)");
+  m.def("record_amax(Tensor(a!) slot, Tensor x) -> ()");
   m.def("noop(Tensor(a) x) -> Tensor(a)");
 }
 
 TORCH_LIBRARY_IMPL(fastcast_kernels, CPU, m) {
   m.impl("quantize_tensorwise", &quantize_tensorwise);
+  m.impl("record_amax", &record_amax);
   m.impl("noop", &noop);
 }
 
