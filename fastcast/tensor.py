@@ -25,9 +25,12 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from .kernels import fused_op
+
 STORAGE: dict[str, type[QuantizedTensor]] = {}
 
 FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_FP8_CODES = frozenset(FP8_DTYPES.values())
 
 # GEMM families: how the operands carry their scales, which decides the GEMM kernel.
 TENSORWISE = "tensorwise"
@@ -178,6 +181,10 @@ class QuantizedTensor:
         self, data: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]
     ) -> torch.Tensor:
         rows, cols = self._rows_cols(data)
+        if data.dtype in _FP8_CODES:  # FP8 elements: one fused pass where there is one
+            op = fused_op("dequantize_blocks", data)
+            if op is not None:
+                return op(data.reshape(rows, cols), self._decode_scales(scales), *block)
         values = self._decode_data(data).reshape(rows, cols)
         return apply_scales(values, self._decode_scales(scales), block)
 

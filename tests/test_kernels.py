@@ -303,3 +303,36 @@ def test_fused_record_amax_equals_reference(op, kernels_mode, dtype):
     assert torch.equal(slots_after(), want)
     # Slot 2 saw only the inf's tensor and the empty one: nothing was recorded.
     assert want[:2].gt(0).all() and want[2] == 0
+
+
+def test_fused_dequantize_equals_reference(op, kernels_mode):
+    """Dequantized layouts (what the emulated GEMMs read) are bit for bit the reference's
+    for per-tensor, 1x128, 128x128 and MXFP8 tensors, partial tiles, both layouts and
+    non-finite codes included."""
+    from fastcast.quantize.block import BlockScalingQuantizer
+    from fastcast.quantize.mx import MXFP8Quantizer
+
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(200, 320, generator=gen) * 5
+    x[3, 7], x[150, 300], x[9, 9] = float("inf"), float("nan"), float("-inf")
+    cases = [
+        (CurrentScalingQuantizer(fmt="e5m2"), x),
+        (BlockScalingQuantizer(), x),
+        (BlockScalingQuantizer(block_dim=2, fmt="e5m2"), x[:, :300]),
+        (MXFP8Quantizer(), x[:192]),
+    ]
+
+    def layouts() -> list[torch.Tensor]:
+        out = []
+        for quantizer, t in cases:
+            q = quantizer.quantize(t, rowwise=True, columnwise=True)
+            out += [q.dequantize_rowwise_2d(), q.columnwise_operand().dequantize_rowwise_2d()]
+        return out
+
+    kernels_mode("reference")
+    want = layouts()
+    kernels_mode("auto")
+    assert choice.fused_op("dequantize_blocks", x) is not None
+    for got, expected in zip(layouts(), want):
+        assert got.shape == expected.shape
+        assert torch.equal(got.view(torch.int32), expected.contiguous().view(torch.int32))

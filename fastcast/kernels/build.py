@@ -23,7 +23,10 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("tensorwise.cpp", "blocks.cpp", "nvfp4.cpp", "gemm.cpp"))
+SOURCES = tuple(
+    CSRC / name
+    for name in ("tensorwise.cpp", "blocks.cpp", "nvfp4.cpp", "gemm.cpp", "dequantize.cpp")
+)
 # Included by the sources: part of what the build directory is keyed by.
 HEADERS = (CSRC / "fp8.h",)
 # The operators the library defines (each source file its own, TORCH_LIBRARY_FRAGMENT
@@ -35,6 +38,7 @@ OPS = (
     "quantize_mxfp8",
     "quantize_nvfp4",
     "scaled_mm_tensorwise",
+    "dequantize_blocks",
 )
 # -O3 vectorises the amax and cast loops (the other two let it if-convert float
 # comparisons; neither changes a value). No -march=native: a shared build directory

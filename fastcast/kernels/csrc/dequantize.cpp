@@ -1,0 +1,95 @@
+// Block-scaled FP8 dequantization on the CPU: out[r, c] = float(data[r, c]) * scale of
+// the block holding (r, c), for every Float8 and MXFP8 layout (per tensor, per row,
+// 1x128, 128x128, 1x32).
+//
+// The values are exactly those of the PyTorch reference (fastcast/tensor.py:
+// QuantizedTensor._dequantize_layout: widen, then multiply by the block's FP32 scale, one
+// rounding); tests/test_kernels.py checks them bit for bit. One pass and one dispatch
+// where the reference widens, pads, multiplies and slices: this is what the emulated
+// GEMM of every block-scaled recipe reads.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+
+namespace fastcast {
+namespace {
+
+// code -> its FP32 value, for every byte (exact: every FP8 value is an FP32 value).
+template <typename Fp8>
+std::array<float, 256> code_values() {
+  std::array<float, 256> table;
+  for (int code = 0; code < 256; ++code) {
+    table[code] = static_cast<float>(c10::bit_cast<Fp8>(static_cast<uint8_t>(code)));
+  }
+  return table;
+}
+
+// A block extent as the reference reads it: 0 scales the whole dimension, n > 0 blocks
+// of n (the last one possibly partial).
+int64_t tile_extent(int64_t block, int64_t extent) {
+  return block == 0 ? std::max<int64_t>(extent, 1) : block;
+}
+
+at::Tensor dequantize_blocks(const at::Tensor& input, const at::Tensor& scales,
+                             int64_t block_rows, int64_t block_cols) {
+  TORCH_CHECK(input.device().is_cpu() && scales.device().is_cpu(),
+              "fastcast::dequantize_blocks: CPU tensors only");
+  TORCH_CHECK(input.dim() == 2, "fastcast::dequantize_blocks: data must be 2-D");
+  const auto type = input.scalar_type();
+  TORCH_CHECK(type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2,
+              "fastcast::dequantize_blocks: data must be float8_e4m3fn or float8_e5m2");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat,
+              "fastcast::dequantize_blocks: scales must be FP32");
+  TORCH_CHECK(block_rows >= 0 && block_cols >= 0,
+              "fastcast::dequantize_blocks: block extents must be >= 0");
+  const at::Tensor data = input.contiguous();
+  const int64_t rows = data.size(0), cols = data.size(1);
+  const int64_t tile_r = tile_extent(block_rows, rows), tile_c = tile_extent(block_cols, cols);
+  const int64_t grid_r = (rows + tile_r - 1) / tile_r, grid_c = (cols + tile_c - 1) / tile_c;
+  TORCH_CHECK(scales.numel() == std::max<int64_t>(grid_r, 1) * std::max<int64_t>(grid_c, 1) ||
+                  rows == 0 || cols == 0,
+              "fastcast::dequantize_blocks: ", scales.numel(), " scales for a ", rows, "x", cols,
+              " matrix in blocks of ", tile_r, "x", tile_c);
+  at::Tensor out = at::empty({rows, cols}, data.options().dtype(at::kFloat));
+  if (rows == 0 || cols == 0) return out;
+
+  const auto table = type == at::kFloat8_e4m3fn ? code_values<c10::Float8_e4m3fn>()
+                                                : code_values<c10::Float8_e5m2>();
+  const at::Tensor grid = scales.contiguous();
+  const float* scale = grid.const_data_ptr<float>();
+  const auto* src = reinterpret_cast<const uint8_t*>(data.const_data_ptr());
+  float* dst = out.mutable_data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / cols);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row_scales = scale + (r / tile_r) * grid_c;
+      const uint8_t* codes = src + r * cols;
+      float* values = dst + r * cols;
+      for (int64_t c0 = 0, b = 0; c0 < cols; c0 += tile_c, ++b) {
+        const float s = row_scales[b];
+        const int64_t c1 = std::min(cols, c0 + tile_c);
+        for (int64_t c = c0; c < c1; ++c) values[c] = table[codes[c]] * s;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fastcast_kernels, m) {
+  m.def("dequantize_blocks(Tensor data, Tensor scales, int block_rows, int block_cols) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fastcast_kernels, CPU, m) {
+  m.impl("dequantize_blocks", &dequantize_blocks);
+}
+
+}  // namespace fastcast
