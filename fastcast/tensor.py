@@ -135,6 +135,10 @@ class QuantizedTensor:
         """Dequantization multipliers as FP32."""
         return scales.float()
 
+    def _kernel_scales(self, scales: torch.Tensor) -> torch.Tensor:
+        """The scales as the fused dequantization takes them: FP32, or E8M0 bytes."""
+        return self._decode_scales(scales)
+
     def _rows_cols(self, data: torch.Tensor) -> tuple[int, int]:
         shape = data.shape
         if len(shape) == 2:
@@ -184,7 +188,7 @@ class QuantizedTensor:
         if data.dtype in _FP8_CODES:  # FP8 elements: one fused pass where there is one
             op = fused_op("dequantize_blocks", data)
             if op is not None:
-                return op(data.reshape(rows, cols), self._decode_scales(scales), *block)
+                return op(data.reshape(rows, cols), self._kernel_scales(scales), *block)
         values = self._decode_data(data).reshape(rows, cols)
         return apply_scales(values, self._decode_scales(scales), block)
 
@@ -329,6 +333,9 @@ class MXFP8Tensor(QuantizedTensor):
 
     def _decode_scales(self, scales: torch.Tensor) -> torch.Tensor:
         return decode_e8m0(scales)
+
+    def _kernel_scales(self, scales: torch.Tensor) -> torch.Tensor:
+        return scales  # the kernel decodes E8M0 itself
 
 
 def decode_e8m0(biased: torch.Tensor) -> torch.Tensor:

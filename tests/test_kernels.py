@@ -336,3 +336,16 @@ def test_fused_dequantize_equals_reference(op, kernels_mode):
     for got, expected in zip(layouts(), want):
         assert got.shape == expected.shape
         assert torch.equal(got.view(torch.int32), expected.contiguous().view(torch.int32))
+
+
+def test_fused_dequantize_decodes_every_e8m0_byte(op):
+    """MXFP8 scales reach the fused dequantization as E8M0 bytes: every byte, 2**-127
+    (subnormal) and 255 (NaN) included, decodes as the reference's decode_e8m0."""
+    from fastcast.tensor import decode_e8m0
+
+    dequantize = choice.fused_op("dequantize_blocks", torch.empty(1))
+    scales = torch.arange(256, dtype=torch.uint8).reshape(256, 1)
+    data = torch.full((256, 32), 1.5).to(torch.float8_e4m3fn)
+    want = data.float() * decode_e8m0(scales)
+    got = dequantize(data, scales, 1, 32)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 
 namespace fastcast {
@@ -29,6 +30,27 @@ std::array<float, 256> code_values() {
     table[code] = static_cast<float>(c10::bit_cast<Fp8>(static_cast<uint8_t>(code)));
   }
   return table;
+}
+
+// E8M0 byte -> its FP32 scale 2**(b - 127), 255 being NaN (tensor.py: decode_e8m0).
+std::array<float, 256> e8m0_values() {
+  std::array<float, 256> table;
+  for (int b = 0; b < 256; ++b) table[b] = b == 255 ? NAN : std::ldexp(1.0f, b - 127);
+  return table;
+}
+
+// The FP32 scales: FP32 as given, or E8M0 bytes (MXFP8) decoded.
+at::Tensor fp32_scales(const at::Tensor& scales) {
+  if (scales.scalar_type() == at::kFloat) return scales.contiguous();
+  TORCH_CHECK(scales.scalar_type() == at::kByte,
+              "fastcast::dequantize_blocks: scales must be FP32 or E8M0 bytes (uint8)");
+  static const std::array<float, 256> table = e8m0_values();
+  const at::Tensor bytes = scales.contiguous();
+  at::Tensor out = at::empty(bytes.sizes(), bytes.options().dtype(at::kFloat));
+  const uint8_t* src = bytes.const_data_ptr<uint8_t>();
+  float* dst = out.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < bytes.numel(); ++i) dst[i] = table[src[i]];
+  return out;
 }
 
 // A block extent as the reference reads it: 0 scales the whole dimension, n > 0 blocks
@@ -45,8 +67,6 @@ at::Tensor dequantize_blocks(const at::Tensor& input, const at::Tensor& scales,
   const auto type = input.scalar_type();
   TORCH_CHECK(type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2,
               "fastcast::dequantize_blocks: data must be float8_e4m3fn or float8_e5m2");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat,
-              "fastcast::dequantize_blocks: scales must be FP32");
   TORCH_CHECK(block_rows >= 0 && block_cols >= 0,
               "fastcast::dequantize_blocks: block extents must be >= 0");
   const at::Tensor data = input.contiguous();
@@ -62,7 +82,7 @@ at::Tensor dequantize_blocks(const at::Tensor& input, const at::Tensor& scales,
 
   const auto table = type == at::kFloat8_e4m3fn ? code_values<c10::Float8_e4m3fn>()
                                                 : code_values<c10::Float8_e5m2>();
-  const at::Tensor grid = scales.contiguous();
+  const at::Tensor grid = fp32_scales(scales);
   const float* scale = grid.const_data_ptr<float>();
   const auto* src = reinterpret_cast<const uint8_t*>(data.const_data_ptr());
   float* dst = out.mutable_data_ptr<float>();
