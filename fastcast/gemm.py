@@ -16,9 +16,7 @@ import torch
 from . import hardware
 from .kernels import fused_op
 from .profiling import annotate
-from .tensor import QuantizedTensor
-
-WHOLE = (0, 0)  # a block that is the whole tensor: one scale
+from .tensor import WHOLE, QuantizedTensor
 
 BACKENDS = ("hardware", "emulate")
 

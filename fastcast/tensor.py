@@ -32,6 +32,8 @@ STORAGE: dict[str, type[QuantizedTensor]] = {}
 FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FP8_CODES = frozenset(FP8_DTYPES.values())
 
+WHOLE = (0, 0)  # the block of per-tensor scaling: one scale for the whole tensor
+
 # GEMM families: how the operands carry their scales, which decides the GEMM kernel.
 TENSORWISE = "tensorwise"
 ROWWISE = "rowwise"
@@ -299,7 +301,7 @@ class QuantizedTensor:
 
 def block_family(block: tuple[int, int]) -> str:
     """The GEMM family of an FP8 layout with FP32 scales over ``block``."""
-    if block == (0, 0):
+    if block == WHOLE:
         return TENSORWISE
     if block == (1, 0):
         return ROWWISE

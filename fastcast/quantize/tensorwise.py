@@ -21,7 +21,7 @@ import torch
 from ..kernels import fused_op, tensorwise_op
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
-from ..tensor import FP8_DTYPES, Float8Tensor
+from ..tensor import FP8_DTYPES, WHOLE, Float8Tensor
 from .base import (
     as_matrix,
     check_fp8_format,
@@ -30,8 +30,6 @@ from .base import (
     scale_from_amax,
     tensor_amax,
 )
-
-WHOLE = (0, 0)  # one scale for the whole tensor
 
 
 @annotate("fastcast.quantize.tensorwise")
