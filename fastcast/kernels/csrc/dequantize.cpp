@@ -19,18 +19,10 @@
 #include <cmath>
 #include <cstdint>
 
+#include "fp8.h"
+
 namespace fastcast {
 namespace {
-
-// code -> its FP32 value, for every byte (exact: every FP8 value is an FP32 value).
-template <typename Fp8>
-std::array<float, 256> code_values() {
-  std::array<float, 256> table;
-  for (int code = 0; code < 256; ++code) {
-    table[code] = static_cast<float>(c10::bit_cast<Fp8>(static_cast<uint8_t>(code)));
-  }
-  return table;
-}
 
 // E8M0 byte -> its FP32 scale 2**(b - 127), 255 being NaN (tensor.py: decode_e8m0).
 std::array<float, 256> e8m0_values() {
@@ -80,8 +72,7 @@ at::Tensor dequantize_blocks(const at::Tensor& input, const at::Tensor& scales,
   at::Tensor out = at::empty({rows, cols}, data.options().dtype(at::kFloat));
   if (rows == 0 || cols == 0) return out;
 
-  const auto table = type == at::kFloat8_e4m3fn ? code_values<c10::Float8_e4m3fn>()
-                                                : code_values<c10::Float8_e5m2>();
+  const auto table = fp8_values(type, 1.0f);  // exact: x * 1 is x, NaN stays NaN
   const at::Tensor grid = fp32_scales(scales);
   const float* scale = grid.const_data_ptr<float>();
   const auto* src = reinterpret_cast<const uint8_t*>(data.const_data_ptr());

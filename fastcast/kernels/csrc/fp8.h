@@ -13,6 +13,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -177,6 +178,21 @@ FASTCAST_HOT void cast_span(const T* __restrict x, uint8_t* __restrict out, int6
 }
 
 }  // namespace
+
+// code -> float(code) * scale for every byte of an FP8 type (e4m3fn or e5m2): the same FP32
+// product as widening, then multiplying (every FP8 value is exact in FP32, so one
+// rounding). Decoding through this table is how the dequantizing kernels read FP8.
+inline std::array<float, 256> fp8_values(at::ScalarType type, float scale) {
+  std::array<float, 256> table;
+  for (int code = 0; code < 256; ++code) {
+    const auto byte = static_cast<uint8_t>(code);
+    const float value = type == at::kFloat8_e4m3fn
+                            ? static_cast<float>(c10::bit_cast<c10::Float8_e4m3fn>(byte))
+                            : static_cast<float>(c10::bit_cast<c10::Float8_e5m2>(byte));
+    table[code] = value * scale;
+  }
+  return table;
+}
 
 template <typename F8>
 inline float fmt_max_of() {

@@ -16,19 +16,10 @@
 #include <cstdint>
 #include <optional>
 
+#include "fp8.h"
+
 namespace fastcast {
 namespace {
-
-// code -> float(code) * scale, for every byte: the same FP32 product as widening then
-// multiplying (one rounding, of the same two factors).
-template <typename Fp8>
-std::array<float, 256> scaled_values(float scale) {
-  std::array<float, 256> table;
-  for (int code = 0; code < 256; ++code) {
-    table[code] = static_cast<float>(c10::bit_cast<Fp8>(static_cast<uint8_t>(code))) * scale;
-  }
-  return table;
-}
 
 // The FP32 matrix `t` * `scale` of a 2-D FP8 tensor, laid out as `t` is (as the CPU
 // kernel's widening keeps the layout: the GEMM then sees the same strides, and so sums
@@ -38,9 +29,7 @@ at::Tensor widen(const at::Tensor& t, const at::Tensor& scale) {
   TORCH_CHECK(scale.numel() == 1 && scale.scalar_type() == at::kFloat,
               "scaled_mm_tensorwise: scales must be one FP32 value each");
   const float s = scale.item<float>();
-  const auto table = t.scalar_type() == at::kFloat8_e4m3fn
-                         ? scaled_values<c10::Float8_e4m3fn>(s)
-                         : scaled_values<c10::Float8_e5m2>(s);
+  const auto table = fp8_values(t.scalar_type(), s);
   // A dense layout (row- or column-major, the operands fastcast makes) is widened in
   // storage order; any other is made row-major first.
   const at::Tensor dense = t.is_non_overlapping_and_dense() ? t : t.contiguous();
