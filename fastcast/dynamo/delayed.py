@@ -91,17 +91,19 @@ _INSIDE = (
 def _entered_in_graph() -> bool:
     """Whether the innermost autocast was entered in the traced code: the stack the
     trace sees is deeper than the eager one it started from."""
-    depth, node = 0, _state.get_stack()
-    while node is not None:
-        depth, node = depth + 1, node[1]
-    return depth > _eager_depth()
+    return _depth(_state.get_stack()) > _eager_depth()
 
 
 @assume_constant_result
 def _eager_depth() -> int:
     # Runs for real while tracing: the eager stack's depth then (which the guards on the
     # traced stack keep valid for the graph).
-    depth, node = 0, compiled.stack
+    return _depth(compiled.stack)
+
+
+def _depth(node: Stack | None) -> int:
+    """How many frames ``node`` holds (``OUTSIDE`` included)."""
+    depth = 0
     while node is not None:
         depth, node = depth + 1, node[1]
     return depth
