@@ -26,8 +26,6 @@ MODES = ("auto", "fused", "reference")
 # The fused operators by name once resolved ({} where the reference runs), or None
 # before the first quantize that could use them. A process fact, like the library.
 _ops: dict[str, Any] | None = None
-# Seconds the first load took (build included), None until then or without the library.
-build_seconds: float | None = None
 
 
 def kernels_mode() -> str:
@@ -59,12 +57,12 @@ def refresh() -> None:
 
 
 def _resolve() -> dict[str, Any]:
-    global _ops, build_seconds
+    global _ops
     mode = kernels_mode()
     ops: dict[str, Any] = {}
     if mode != "reference":
         try:
-            seconds = build.load()
+            build.load()
         except build.BuildError as exc:
             if mode == "fused":
                 raise RuntimeError(
@@ -72,8 +70,6 @@ def _resolve() -> dict[str, Any]:
                 ) from exc
             build.warn_unavailable(str(exc))
         else:
-            if build_seconds is None:
-                build_seconds = seconds
             from . import fake  # noqa: F401, PLC0415 - needs the library's schemas
 
             library = getattr(torch.ops, build.NAMESPACE)
