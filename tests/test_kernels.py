@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import fastcast as fc
@@ -62,10 +62,23 @@ def _check(op, x, fmt, scale=None, power_2=False, epsilon=0.0):
     data, scale_inv, data_t = op(x, scale, FP8_DTYPES[fmt], power_2, epsilon, True, True)
     ref_data, ref_scale_inv = _reference(x, fmt, scale, power_2, epsilon)
     assert data.shape == x.shape and data.dtype == FP8_DTYPES[fmt]
-    assert torch.equal(_bytes(data), _bytes(ref_data))
-    assert torch.equal(_bytes(data_t), _bytes(as_matrix(ref_data).t()))
+    _assert_same_codes(data, ref_data, x.dtype)
+    _assert_same_codes(data_t, as_matrix(ref_data).t(), x.dtype)
     assert scale_inv.shape == ref_scale_inv.shape
     assert torch.equal(scale_inv.view(torch.int32), ref_scale_inv.view(torch.int32))
+
+
+def _assert_same_codes(got, want, input_dtype):
+    """FP8 codes equal byte for byte. One exception: the sign of a NaN code from a 16-bit
+    input, which the reference leaves to ATen's widening (its scalar path, taken for
+    tiny tensors, makes a half or bfloat16 NaN positive; its vectorised path keeps the
+    sign). There the NaNs must still sit in the same places."""
+    got_bytes, want_bytes = _bytes(got), _bytes(want)
+    if input_dtype != torch.float32:
+        nan = want.float().isnan()
+        assert torch.equal(got.float().isnan(), nan)
+        got_bytes, want_bytes = got_bytes[~nan], want_bytes[~nan]
+    assert torch.equal(got_bytes, want_bytes)
 
 
 SPECIALS = (0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 1e-45, -1e-40, 3e38, -3e38)
@@ -139,6 +152,8 @@ def test_rounding_matches_torch_cast_over_many_bit_patterns(op):
     special=st.sampled_from((None, *SPECIALS)),
     seed=st.integers(0, 2**16),
 )
+# Found by this test: a one-element half tensor holding -NaN (see _assert_same_codes).
+@example(shape=[1], dtype=torch.float16, fmt="e5m2", log_range=0.0, special=-math.nan, seed=0)
 def test_matches_reference_property(op, shape, dtype, fmt, log_range, special, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=gen) * 10.0**log_range
