@@ -1,17 +1,19 @@
 """DelayedScaling in a compiled model under an autocast entered in eager around it.
 
-It trains exactly as in eager. The graph reads each layer's scales and max-accumulates
-its amaxes into the layer's amax slots in place (views into the per-thread slabs, graph
-inputs fetched per call, so a slab that grows and re-points them is followed); the
-updates themselves stay in eager. While tracing, ``_join_delayed`` runs for real: it
-attaches the layer's metas to the thread's slabs as eager ``plan_for`` would, marks those
-slabs compiled (every forward or backward update then includes them, since a graph
-cannot mark them pending; a slab column that recorded nothing does not move), and hooks
-the layer's weight (or bias) gradient, which calls ``backward_ran`` from the engine as
-the eager Function's backward does, so the backward update runs when the pass ends. The
-forward update is the eager autocast exit's, as before. A scale is read through an
-opaque copy (``_snapshot``) so that backward never recomputes from a scale the exit has
-since moved. Calibration (``calibrating=True``) records as in eager.
+The scales update as in eager, step for step, with values equal to FP32 rounding (bit
+for bit where the compiled arithmetic around the layers rounds as eager's). The graph
+reads each layer's scales and max-accumulates its amaxes into the layer's amax slots in
+place (views into the per-thread slabs, graph inputs fetched per call, so a slab that
+grows and re-points them is followed); the updates themselves stay in eager. While
+tracing, ``_join_delayed`` runs for real: it attaches the layer's metas to the thread's
+slabs as eager ``plan_for`` would, marks those slabs compiled (every forward or backward
+update then includes them, since a graph cannot mark them pending; a slab column that
+recorded nothing does not move), and hooks the layer's weight (or bias) gradient, which
+calls ``backward_ran`` from the engine as the eager Function's backward does, so the
+backward update runs when the pass ends. The forward update is the eager autocast
+exit's, as before. A scale is read through an opaque copy (``_snapshot``) so that
+backward never recomputes from a scale the exit has since moved. Calibration
+(``calibrating=True``) records as in eager.
 
 Refused by name, before anything changes: an ``fc.autocast(recipe=DelayedScaling(...))``
 entered inside a compiled function (its update would be traced into the graph), delayed
