@@ -71,29 +71,38 @@ def scaled_mm(
 
 
 def _check_operands(a: QuantizedTensor, b: QuantizedTensor) -> tuple[str, str]:
-    for name, x in (("a", a), ("b", b)):
-        if not isinstance(x, QuantizedTensor):
-            raise TypeError(
-                f"scaled_mm: {name} must be a quantized tensor (fc.quantize), "
-                f"got {type(x).__name__}"
-            )
-        if x.data is None:
-            raise ValueError(
-                f"scaled_mm: {name} has no row-wise data; quantize it with rowwise=True "
-                "(or pass .t() of a tensor quantized with columnwise=True)"
-            )
-    if len(b.shape) != 2:
-        raise ValueError(f"scaled_mm: b must be 2D [N, K], got shape {tuple(b.shape)}")
-    if a.shape[-1] != b.shape[-1]:
-        raise ValueError(
-            f"scaled_mm: contraction dims differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}"
+    """``(family, device type)`` of the product; errors name what is wrong. (Per GEMM:
+    written for the common case, two CPU or two CUDA operands.)"""
+    if not (isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor)):
+        name, x = ("a", a) if not isinstance(a, QuantizedTensor) else ("b", b)
+        raise TypeError(
+            f"scaled_mm: {name} must be a quantized tensor (fc.quantize), got {type(x).__name__}"
         )
-    device = a.data.device
-    if device != b.data.device:
-        raise ValueError(f"scaled_mm: operands on different devices: {device} and {b.device}")
+    a_data, b_data = a.data, b.data
+    if a_data is None or b_data is None:
+        raise ValueError(
+            f"scaled_mm: {'a' if a_data is None else 'b'} has no row-wise data; quantize it "
+            "with rowwise=True (or pass .t() of a tensor quantized with columnwise=True)"
+        )
+    b_shape = b.shape
+    if len(b_shape) != 2:
+        raise ValueError(f"scaled_mm: b must be 2D [N, K], got shape {tuple(b_shape)}")
+    if a.shape[-1] != b_shape[-1]:
+        raise ValueError(
+            f"scaled_mm: contraction dims differ: a is {tuple(a.shape)}, b is {tuple(b_shape)}"
+        )
+    if a_data.is_cpu and b_data.is_cpu:
+        device_type = "cpu"
+    else:
+        device = a_data.device
+        if device != b_data.device:
+            raise ValueError(
+                f"scaled_mm: operands on different devices: {device} and {b_data.device}"
+            )
+        device_type = device.type
     fa, fb = a.family, b.family
     # Mixed families have no common kernel; the emulation handles any pair.
-    return (fa if fa == fb else "mixed"), device.type
+    return (fa if fa == fb else "mixed"), device_type
 
 
 def runs_kernel(a: QuantizedTensor, b: QuantizedTensor, device_type: str) -> bool:
@@ -119,7 +128,7 @@ def _scaled_mm_hardware(
 ) -> torch.Tensor:
     a2 = a.data if len(a.shape) == 2 else a.data.reshape(-1, a.shape[-1])
     b2 = b.data
-    if a2.device.type == "cuda":  # cuBLASLt wants a row-major a and a column-major b.T
+    if a2.is_cuda:  # cuBLASLt wants a row-major a and a column-major b.T
         a2, b2 = a2.contiguous(), b2.contiguous()
     scale_a, scale_b = a.scale_inv, b.scale_inv
     if b.block == (1, 0):  # per-row scales of b are per-column scales of b.T
@@ -131,7 +140,7 @@ def _scaled_mm_hardware(
         bias is not None
         and bias.dtype == out_dtype
         and accumulate is None
-        and (out_dtype != torch.float32 or a2.device.type == "cpu")
+        and (out_dtype != torch.float32 or a2.is_cpu)
     )
     direct = accumulate is None and (bias is None or fuse_bias)
     per_tensor = a.block == b.block == WHOLE

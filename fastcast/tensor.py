@@ -120,12 +120,13 @@ class QuantizedTensor:
             raise ValueError("a quantized tensor needs row-wise or column-wise data")
         self.data = data
         self.scale_inv = scale_inv
-        self.block = tuple(block)
+        # (Converted only when needed: quantizers pass tuples and torch.Size, per call.)
+        self.block = block if type(block) is tuple else tuple(block)
         self.data_t = data_t
         self.scale_inv_t = scale_inv_t
-        self.block_t = tuple(block_t)
+        self.block_t = block_t if type(block_t) is tuple else tuple(block_t)
         self.fmt = fmt
-        self.shape = torch.Size(shape)
+        self.shape = shape if type(shape) is torch.Size else torch.Size(shape)
         self.dtype = dtype
 
     # -- decoding: what a subclass defines --------------------------------------------
@@ -221,27 +222,44 @@ class QuantizedTensor:
                 f"{type(self).__name__} of shape {tuple(self.shape)} has no column-wise data; "
                 "quantize it with columnwise=True"
             )
-        clone = self._clone_meta()
+        clone = self._with_extras()
         clone.data, clone.scale_inv, clone.block = self.data_t, self.scale_inv_t, self.block_t
         clone.data_t = clone.scale_inv_t = None
         clone.block_t = (0, 0)
+        clone.fmt, clone.dtype = self.fmt, self.dtype
         k = self.shape[-1]
         clone.shape = torch.Size((k, self.shape.numel() // k if k else 0))
         return clone
 
     def _clone_meta(self) -> QuantizedTensor:
+        """A shallow copy (the same inner tensors)."""
+        clone = self._with_extras()
+        clone.data, clone.scale_inv, clone.block = self.data, self.scale_inv, self.block
+        clone.data_t, clone.scale_inv_t = self.data_t, self.scale_inv_t
+        clone.block_t, clone.fmt, clone.shape = self.block_t, self.fmt, self.shape
+        clone.dtype = self.dtype
+        return clone
+
+    def _with_extras(self) -> QuantizedTensor:
+        """A new object of this class holding only the subclass's own slots (the base
+        slots, written out above, are cheaper to copy by name than in a loop: per call)."""
         clone = object.__new__(type(self))
-        for name in type(self)._slot_names:
+        for name in type(self)._extra_slot_names:
             setattr(clone, name, getattr(self, name))
         return clone
 
     _slot_names: ClassVar[tuple[str, ...]] = ()
+    _extra_slot_names: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        # Every slot of the class and its bases, for copying and unflattening.
+        # Every slot of the class and its bases, for unflattening; and those beyond
+        # QuantizedTensor's, for copying.
         cls._slot_names = tuple(
             name for klass in cls.__mro__ for name in getattr(klass, "__slots__", ())
+        )
+        cls._extra_slot_names = tuple(
+            name for name in cls._slot_names if name not in QuantizedTensor.__slots__
         )
 
     @property

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,11 @@ from fastcast import kernels
 from fastcast.kernels import build, choice
 from fastcast.quantize import tensorwise
 from fastcast.quantize.base import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
-from fastcast.quantize.tensorwise import CurrentScalingQuantizer, quantize_with_scale
+from fastcast.quantize.tensorwise import (
+    CurrentScalingQuantizer,
+    DelayedScalingQuantizer,
+    quantize_with_scale,
+)
 from fastcast.recipe import ELEMENT_MAX
 from fastcast.tensor import FP8_DTYPES
 
@@ -164,8 +169,10 @@ def test_matches_reference_property(op, shape, dtype, fmt, log_range, special, s
 
 def test_fake_impl_matches_shapes(op):
     x = torch.randn(6, 10)
-    torch.library.opcheck(op, (x, None, torch.float8_e4m3fn, False, 0.0, True, True))
-    torch.library.opcheck(op, (x, torch.ones(1), torch.float8_e5m2, False, 0.0, True, False))
+    registered = choice.registered_op("quantize_tensorwise")
+    torch.library.opcheck(registered, (x, None, torch.float8_e4m3fn, False, 0.0, True, True))
+    args = (x, torch.ones(1), torch.float8_e5m2, False, 0.0, True, False)
+    torch.library.opcheck(registered, args)
 
 
 def _spy_reference(monkeypatch) -> list[int]:
@@ -320,6 +327,45 @@ def test_fused_record_amax_equals_reference(op, kernels_mode, dtype):
     assert want[:2].gt(0).all() and want[2] == 0
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_delayed_quantize_is_one_pass_with_the_reference_values(
+    op, kernels_mode, monkeypatch, dtype, fmt
+):
+    """Delayed scaling's quantize (scale known, amax recorded) runs one fused operator,
+    never the separate amax pass, with the reference's codes, scale_inv and slot."""
+    gen = torch.Generator().manual_seed(9)
+    inputs = [
+        torch.randn(8, 24, generator=gen) * 3,
+        torch.randn(40_000, generator=gen) * 1e-2,  # several parallel chunks
+        torch.tensor([1.0, float("inf"), -2.0, float("nan")]),  # non-finite: no record
+        torch.randn(2, 3, 16, generator=gen)[:, :, ::2] * 900,  # 3-D, not contiguous
+        torch.empty(0, 4),
+    ]
+
+    def run() -> tuple[list, torch.Tensor]:
+        meta = SimpleNamespace(
+            scale_views=list(torch.tensor([0.5, 2.0, 1e-3]).split(1)),
+            amax_slots=list(torch.zeros(3).split(1)),
+        )
+        quantizers = [DelayedScalingQuantizer(meta, i, fmt) for i in range(3)]
+        outs = [
+            quantizers[i % 3].quantize(x.to(dtype), columnwise=True) for i, x in enumerate(inputs)
+        ]
+        return outs, torch.cat(meta.amax_slots)
+
+    kernels_mode("reference")
+    want, want_slots = run()
+    kernels_mode("auto")
+    monkeypatch.setattr(tensorwise, "record_amax", lambda *a: pytest.fail("a separate amax pass"))
+    got, got_slots = run()
+    assert torch.equal(got_slots, want_slots)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(_bytes(a.data), _bytes(b.data))
+        assert torch.equal(a.scale_inv, b.scale_inv) and a.scale_inv.shape == b.scale_inv.shape
+        assert torch.equal(_bytes(a.data_t), _bytes(b.data_t))
+
+
 def test_fused_dequantize_equals_reference(op, kernels_mode):
     """Dequantized layouts (what the emulated GEMMs read) are bit for bit the reference's
     for per-tensor, 1x128, 128x128 and MXFP8 tensors, partial tiles, both layouts and
@@ -364,3 +410,34 @@ def test_fused_dequantize_decodes_every_e8m0_byte(op):
     want = data.float() * decode_e8m0(scales)
     got = dequantize(data, scales, 1, 32)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_entry_points_dispatch_like_the_registered_operators(op):
+    """fused_op hands out direct entry points (bindings.cpp); they must reach the same
+    operator through the dispatcher, so modes and fake tensors see what torch.ops shows."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(6, 10)
+    args = (x, None, torch.float8_e5m2, True, 0.0, True, False)
+    with Seen() as seen:
+        direct = op(*args)
+    assert seen.ops == ["fastcast_kernels.quantize_tensorwise.default"]
+    registered = choice.registered_op("quantize_tensorwise")(*args)
+    for a, b in zip(direct, registered, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(_bytes(a.reshape(-1)), _bytes(b.reshape(-1)))
+
+    with FakeTensorMode() as mode:
+        fake = op(mode.from_tensor(x), None, torch.float8_e4m3fn, False, 0.0, True, False)
+    assert [tuple(t.shape) for t in fake] == [(6, 10), (), (0,)]
+    assert fake[0].dtype == torch.float8_e4m3fn and type(fake[0]).__name__ == "FakeTensor"

@@ -19,21 +19,32 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
     CSRC / name
-    for name in ("tensorwise.cpp", "blocks.cpp", "nvfp4.cpp", "gemm.cpp", "dequantize.cpp")
+    for name in (
+        "tensorwise.cpp",
+        "blocks.cpp",
+        "nvfp4.cpp",
+        "gemm.cpp",
+        "dequantize.cpp",
+        "bindings.cpp",
+    )
 )
 # Included by the sources: part of what the build directory is keyed by.
 HEADERS = (CSRC / "fp8.h",)
 # The operators the library defines (each source file its own, TORCH_LIBRARY_FRAGMENT
-# beside the one TORCH_LIBRARY); ``choice.fused_op`` hands them out by name.
+# beside the one TORCH_LIBRARY); ``choice.fused_op`` hands out their Python entry points
+# (bindings.cpp) by name.
 OPS = (
     "quantize_tensorwise",
     "record_amax",
+    "quantize_recording",
     "quantize_blocks",
     "quantize_mxfp8",
     "quantize_nvfp4",
@@ -52,10 +63,11 @@ NAMESPACE = "fastcast_kernels"
 
 logger = logging.getLogger("fastcast")
 
-# Seconds the successful load took. A process fact, like the loaded library itself: it is
+# Seconds the successful load took, and the loaded module. Process facts: the library is
 # loaded at most once per process (a second load would register its operators twice),
 # under a lock, since two threads may quantize for the first time together.
 _loaded_seconds: float | None = None
+_module: ModuleType | None = None
 _load_lock = threading.Lock()
 
 
@@ -79,7 +91,7 @@ def load() -> float:
 
     Raises ``BuildError`` with the compiler's message when it cannot.
     """
-    global _loaded_seconds
+    global _loaded_seconds, _module
     with _load_lock:
         if _loaded_seconds is not None:
             return _loaded_seconds
@@ -90,17 +102,18 @@ def load() -> float:
         directory.mkdir(parents=True, exist_ok=True)
         try:
             with _ninja_on_path():
-                cpp_extension.load(
+                module = cpp_extension.load(
                     name=NAMESPACE,
                     sources=[str(s) for s in SOURCES],
                     extra_cflags=list(CFLAGS),
                     extra_ldflags=list(LDFLAGS),
                     build_directory=str(directory),
-                    is_python_module=False,
+                    is_python_module=True,
                     verbose=False,
                 )
         except Exception as exc:  # a missing compiler, ninja, or headers: "no kernels"
             raise BuildError(f"{type(exc).__name__}: {exc}") from exc
+        _module = module
         _loaded_seconds = time.perf_counter() - start
     # First use builds (about 10 s on two cores); later processes load the cached build.
     logger.info("fused quantize kernels ready in %.1f s (%s)", _loaded_seconds, directory)
@@ -127,6 +140,13 @@ def _ninja_on_path() -> Iterator[None]:
         yield
     finally:
         os.environ["PATH"] = path
+
+
+def entry_points() -> dict[str, Any]:
+    """The operators' Python entry points by name (``bindings.cpp``: the registered
+    operators called through the dispatcher, without ``torch.ops``' boxing); loads first."""
+    load()
+    return {name: getattr(_module, name) for name in OPS}
 
 
 def warn_unavailable(reason: str) -> None:

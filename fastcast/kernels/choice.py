@@ -50,6 +50,14 @@ def tensorwise_op(x: torch.Tensor) -> Any:
     return fused_op("quantize_tensorwise", x)
 
 
+def registered_op(name: str) -> Any:
+    """The registered operator ``torch.ops.fastcast_kernels.<name>.default`` (what
+    ``fused_op``'s entry points call), for ``torch.library.opcheck`` and for code that
+    needs an ``OpOverload``; loads the library first."""
+    build.load()
+    return getattr(getattr(torch.ops, build.NAMESPACE), name).default
+
+
 def refresh() -> None:
     """Choose again on the next quantize (after changing ``FASTCAST_KERNELS``)."""
     global _ops
@@ -62,7 +70,7 @@ def _resolve() -> dict[str, Any]:
     ops: dict[str, Any] = {}
     if mode != "reference":
         try:
-            build.load()
+            entry_points = build.entry_points()
         except build.BuildError as exc:
             if mode == "fused":
                 raise RuntimeError(
@@ -72,7 +80,6 @@ def _resolve() -> dict[str, Any]:
         else:
             from . import fake  # noqa: F401, PLC0415 - needs the library's schemas
 
-            library = getattr(torch.ops, build.NAMESPACE)
-            ops = {name: getattr(library, name).default for name in build.OPS}
+            ops = entry_points
     _ops = ops
     return ops

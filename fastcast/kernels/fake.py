@@ -38,6 +38,13 @@ def _record_amax(slot: torch.Tensor, x: torch.Tensor) -> None:
     return None
 
 
+@torch.library.register_fake("fastcast_kernels::quantize_recording")
+def _quantize_recording(
+    x: torch.Tensor, scale: torch.Tensor, slot: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape, dtype=dtype), scale.new_empty(scale.shape)
+
+
 @torch.library.register_fake("fastcast_kernels::scaled_mm_tensorwise")
 def _scaled_mm_tensorwise(
     a: torch.Tensor,

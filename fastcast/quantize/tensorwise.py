@@ -62,7 +62,7 @@ def _float8(
     data_t = None
     if columnwise:
         data_t = as_matrix(data).t()
-        if data_t.device.type != "cpu" or torch.compiler.is_compiling():
+        if not data_t.is_cpu or torch.compiler.is_compiling():
             data_t = data_t.contiguous()
     return Float8Tensor(
         fmt=fmt,
@@ -155,7 +155,12 @@ class DelayedScalingQuantizer:
     ) -> Float8Tensor:
         check_input(x)
         if self.recording:
-            record_amax(self.meta.amax_slots[self.index], x)
+            slot, scale = self.meta.amax_slots[self.index], self.scale
+            op = fused_op("quantize_recording", x)
+            if op is not None and slot.is_cpu and scale.is_cpu:  # one pass over x
+                data, scale_inv = op(x, scale, slot, FP8_DTYPES[self.fmt])
+                return _float8(x, self.fmt, data, scale_inv, rowwise, columnwise)
+            record_amax(slot, x)
         return quantize_with_scale(x, self.scale, self.fmt, rowwise, columnwise)
 
 

@@ -177,21 +177,39 @@ FASTCAST_HOT void cast_span(const T* __restrict x, uint8_t* __restrict out, int6
   for (int64_t i = 0; i < n; ++i) out[i] = cast_one<F8>(widen(x[i]), scale, fmt_max);
 }
 
+// cast_span and max_magnitude in one pass (delayed scaling: the scale is known, the
+// amax is recorded for later steps); returns the max magnitude bits.
+template <typename T, typename F8>
+FASTCAST_HOT uint32_t cast_span_amax(const T* __restrict x, uint8_t* __restrict out, int64_t n,
+                                     float scale, float fmt_max) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    m = std::max(m, magnitude(x[i]));
+    out[i] = cast_one<F8>(widen(x[i]), scale, fmt_max);
+  }
+  return m;
+}
+
 }  // namespace
 
-// code -> float(code) * scale for every byte of an FP8 type (e4m3fn or e5m2): the same FP32
-// product as widening, then multiplying (every FP8 value is exact in FP32, so one
-// rounding). Decoding through this table is how the dequantizing kernels read FP8.
-inline std::array<float, 256> fp8_values(at::ScalarType type, float scale) {
-  std::array<float, 256> table;
-  for (int code = 0; code < 256; ++code) {
-    const auto byte = static_cast<uint8_t>(code);
-    const float value = type == at::kFloat8_e4m3fn
-                            ? static_cast<float>(c10::bit_cast<c10::Float8_e4m3fn>(byte))
-                            : static_cast<float>(c10::bit_cast<c10::Float8_e5m2>(byte));
-    table[code] = value * scale;
-  }
+// code -> float(code) for every byte of an FP8 type (e4m3fn or e5m2), built once per
+// process. Decoding through this table is how the dequantizing kernels read FP8; a value
+// times an FP32 scale is then the same product as widening, then multiplying (every FP8
+// value is exact in FP32, so one rounding).
+template <typename F8>
+inline const std::array<float, 256>& fp8_table_of() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> values;
+    for (int code = 0; code < 256; ++code)
+      values[code] = static_cast<float>(c10::bit_cast<F8>(static_cast<uint8_t>(code)));
+    return values;
+  }();
   return table;
+}
+
+inline const std::array<float, 256>& fp8_values(at::ScalarType type) {
+  return type == at::kFloat8_e4m3fn ? fp8_table_of<c10::Float8_e4m3fn>()
+                                    : fp8_table_of<c10::Float8_e5m2>();
 }
 
 template <typename F8>

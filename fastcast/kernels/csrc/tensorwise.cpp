@@ -1,4 +1,5 @@
-// Per-tensor FP8 quantization in two passes over the input: the amax, then the cast.
+// Per-tensor FP8 quantization in two passes over the input: the amax, then the cast; one
+// pass where the scale is known (delayed scaling), recording the amax as it casts.
 //
 // The values are exactly those of the PyTorch reference (fastcast/quantize/base.py:
 // tensor_amax, scale_from_amax, scale_and_cast); tests/test_kernels.py checks them bit
@@ -159,6 +160,62 @@ void record_amax(const at::Tensor& slot, const at::Tensor& input) {
   *value = std::max(*value, amax);
 }
 
+template <typename T, typename F8>
+float cast_recording_typed(const at::Tensor& x, float scale, at::Tensor& data) {
+  const T* src = x.const_data_ptr<T>();
+  auto* out = static_cast<uint8_t*>(data.data_ptr());
+  const float fmt_max = static_cast<float>(std::numeric_limits<F8>::max());
+  const uint32_t m = at::parallel_reduce(
+      0, x.numel(), kGrain, uint32_t{0},
+      [=](int64_t begin, int64_t end, uint32_t) {
+        return cast_span_amax<T, F8>(src + begin, out + begin, end - begin, scale, fmt_max);
+      },
+      [](uint32_t a, uint32_t b) { return std::max(a, b); });
+  return from_magnitude<T>(m);
+}
+
+template <typename F8>
+float cast_recording(const at::Tensor& x, float scale, at::Tensor& data) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return cast_recording_typed<float, F8>(x, scale, data);
+    case at::kBFloat16: return cast_recording_typed<c10::BFloat16, F8>(x, scale, data);
+    case at::kHalf: return cast_recording_typed<c10::Half, F8>(x, scale, data);
+    default: TORCH_CHECK(false, "fastcast: cannot quantize ", x.scalar_type());
+  }
+}
+
+// Delayed scaling's quantize in one pass over x: data = cast(x * scale) (row-wise,
+// shaped like x), scale_inv = 1 / scale, and slot = max(slot, amax(x)) when that amax
+// is finite (record_amax's rule). The values are those of record_amax followed by
+// quantize_tensorwise with the scale.
+std::tuple<at::Tensor, at::Tensor> quantize_recording(const at::Tensor& input,
+                                                      const at::Tensor& scale,
+                                                      const at::Tensor& slot,
+                                                      at::ScalarType dtype) {
+  TORCH_CHECK(input.device().is_cpu(), "fastcast::quantize_recording: CPU tensors only");
+  TORCH_CHECK(input.dim() > 0, "fastcast::quantize_recording: needs at least one dim");
+  TORCH_CHECK(dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2,
+              "fastcast::quantize_recording: dtype must be an FP8 type, got ", dtype);
+  for (const at::Tensor* t : {&scale, &slot})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->numel() == 1,
+                "fastcast::quantize_recording: scale and slot must be one-element FP32 CPU "
+                "tensors");
+  const at::Tensor x = input.contiguous();
+  const float s = *scale.const_data_ptr<float>();
+  at::Tensor scale_inv = at::empty_like(scale, at::MemoryFormat::Contiguous);
+  *scale_inv.data_ptr<float>() = 1.0f / s;
+  at::Tensor data = at::empty(x.sizes(), x.options().dtype(dtype));
+  const float amax = x.numel() == 0 ? 0.0f
+                     : dtype == at::kFloat8_e4m3fn
+                         ? cast_recording<c10::Float8_e4m3fn>(x, s, data)
+                         : cast_recording<c10::Float8_e5m2>(x, s, data);
+  if (std::isfinite(amax)) {
+    float* value = slot.data_ptr<float>();
+    *value = std::max(*value, amax);
+  }
+  return {data, scale_inv};
+}
+
 // The cheapest op there is: measures what dispatch through torch.ops costs.
 at::Tensor noop(const at::Tensor& x) { return x; }
 
@@ -169,12 +226,16 @@ TORCH_LIBRARY(fastcast_kernels, m) {
       "quantize_tensorwise(Tensor x, Tensor? scale, ScalarType dtype, bool power_2, "
       "float epsilon, bool rowwise, bool columnwise) -> (Tensor, Tensor, Tensor)");
   m.def("record_amax(Tensor(a!) slot, Tensor x) -> ()");
+  m.def(
+      "quantize_recording(Tensor x, Tensor scale, Tensor(a!) slot, ScalarType dtype) "
+      "-> (Tensor, Tensor)");
   m.def("noop(Tensor(a) x) -> Tensor(a)");
 }
 
 TORCH_LIBRARY_IMPL(fastcast_kernels, CPU, m) {
   m.impl("quantize_tensorwise", &quantize_tensorwise);
   m.impl("record_amax", &record_amax);
+  m.impl("quantize_recording", &quantize_recording);
   m.impl("noop", &noop);
 }
 
