@@ -509,9 +509,13 @@ def test_value_object():
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.block_2d = False
     assert isinstance(a, Quantizer) and a.fmt == "e2m1"
-    assert [f.name for f in dataclasses.fields(a)] == ["block_2d", "stochastic_rounding"]
+    assert [f.name for f in dataclasses.fields(a)] == ["block_2d", "stochastic_rounding", "rht"]
     with pytest.raises(ValueError, match="block_2d"):
         NVFP4Quantizer(block_2d=1)
+    with pytest.raises(ValueError, match="signs must be 16 values"):
+        NVFP4Quantizer(rht=(1, -1))
+    with pytest.raises(ValueError, match="16x16 tiles"):
+        NVFP4Quantizer(block_2d=True, rht=(1,) * 16)
 
 
 def test_storage_sizes():

@@ -51,6 +51,7 @@ from ..kernels import fused_op
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import E2M1_VALUES, NVFP4Tensor
+from . import hadamard
 from .base import FP32_MAX, as_matrix, check_input, scale_and_cast, scale_from_amax
 
 BLOCK = 16
@@ -164,10 +165,15 @@ class NVFP4Quantizer:
 
     ``block_2d``: 16x16 tiles instead of 1x16 blocks (weights). ``stochastic_rounding``:
     round elements stochastically (gradients), drawing from ``generator`` when given.
+    ``rht``: the sign vector of a random Hadamard transform (``hadamard.sign_vector``)
+    applied along R to the column-wise layout before it is quantized, under a tensor
+    scale of its own (the weight-gradient operands, input and gradient, whose product
+    the transform leaves unchanged); the row-wise layout stays as it is. 1x16 only.
     """
 
     block_2d: bool = False
     stochastic_rounding: bool = False
+    rht: tuple[int, ...] | None = None
 
     fmt: ClassVar[str] = "e2m1"
 
@@ -176,6 +182,14 @@ class NVFP4Quantizer:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"NVFP4Quantizer: {name} must be a bool, got {value!r}")
+        if self.rht is not None:
+            hadamard.rht_matrix(self.rht)  # checks the signs
+            if self.block_2d:
+                raise ValueError(
+                    "NVFP4Quantizer: rht transforms the 1x16 column-wise layout; 16x16 tiles "
+                    "(block_2d=True) share one quantization between the layouts"
+                )
+            object.__setattr__(self, "rht", tuple(self.rht))
 
     @annotate("fastcast.quantize.nvfp4")
     def quantize(
@@ -203,6 +217,49 @@ class NVFP4Quantizer:
                 f"but the last dimension) to be a multiple of {BLOCK}; got a tensor of "
                 f"shape {tuple(x.shape)}"
             )
+        if self.rht is not None and columnwise:
+            return self._quantize_transformed(x, matrix, rowwise, generator)
+        return self._quantize(x, matrix, rowwise, columnwise, generator)
+
+    def _quantize_transformed(
+        self,
+        x: torch.Tensor,
+        matrix: torch.Tensor,
+        rowwise: bool,
+        generator: torch.Generator | None,
+    ) -> NVFP4Tensor:
+        """The row-wise layout of ``x`` and the column-wise layout of its transform, each
+        under its own tensor scale (TE's post-RHT amax): two quantizations, in this order
+        (the stochastic draws of each are those of the plain layouts)."""
+        assert self.rht is not None
+        row = self._quantize(x, matrix, True, False, generator) if rowwise else None
+        transformed = hadamard.transform_columns(matrix, self.rht)
+        col = self._quantize(transformed, transformed, False, True, generator)
+        return NVFP4Tensor(
+            fmt=self.fmt,
+            shape=x.shape,
+            dtype=x.dtype,
+            data=None if row is None else row.data,
+            scale_inv=None if row is None else row.scale_inv,
+            block=col.block,
+            data_t=col.data_t,
+            scale_inv_t=col.scale_inv_t,
+            block_t=col.block_t,
+            global_scale_inv=col.global_scale_inv if row is None else row.global_scale_inv,
+            global_scale_inv_t=col.global_scale_inv,
+            rht_t=self.rht,
+        )
+
+    def _quantize(
+        self,
+        x: torch.Tensor,
+        matrix: torch.Tensor,
+        rowwise: bool,
+        columnwise: bool,
+        generator: torch.Generator | None,
+    ) -> NVFP4Tensor:
+        """``quantize`` without the transform (shapes checked)."""
+        rows, cols = matrix.shape
         op = fused_op("quantize_nvfp4", x)
         if op is not None:  # both passes in one operator
             return self._quantize_fused(op, x, rows, cols, rowwise, columnwise, generator)
