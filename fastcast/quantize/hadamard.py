@@ -48,12 +48,15 @@ def hadamard_matrix() -> torch.Tensor:
     return (1 - 2 * (parity % 2)).to(torch.float64)
 
 
-@functools.cache
-def _matrix(signs: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    # A process-wide cache of an immutable fact (the FP32 matrix of a sign vector on a
-    # device); callers never write to it. Every entry is +-0.25: exact in FP32.
+def _build(signs: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # Every entry is +-0.25: exact in FP32.
     signs_t = torch.tensor(signs, dtype=torch.float64)
     return (signs_t[:, None] * hadamard_matrix() / 4).to(torch.float32).to(device)
+
+
+# A process-wide cache of an immutable fact (the FP32 matrix of a sign vector on a
+# device); callers never write to it.
+_matrix = functools.cache(_build)
 
 
 def rht_matrix(signs: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -62,6 +65,8 @@ def rht_matrix(signs: tuple[int, ...], device: torch.device | str = "cpu") -> to
         raise ValueError(
             f"fastcast.quantize.hadamard: signs must be {SIZE} values of +-1, got {signs!r}"
         )
+    if torch.compiler.is_compiling():  # traced: a constant of the graph, no cache
+        return _build(tuple(signs), torch.device(device))
     return _matrix(tuple(signs), torch.device(device))
 
 
