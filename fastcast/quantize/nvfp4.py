@@ -25,8 +25,8 @@ codes agree with it bit for bit, near-ties included):
 Blocks are 16 consecutive elements along K (``1x16``), or 16x16 tiles, whose
 column-wise layout is then the exact transpose of the row-wise one (a weight and its
 transpose share one quantization). The 1x16 column-wise layout quantizes ``x.t()``
-along R with the same tensor scale; with ``hadamard`` (the random Hadamard transform of
-the weight-gradient operands, ``quantize.hadamard``) it quantizes ``RHT(x).t()``
+along R with the same tensor scale; with ``rht`` (the random Hadamard transform of the
+weight-gradient operands, ``quantize.hadamard``) it quantizes ``RHT(x).t()``
 instead, under a tensor scale of its own (the transform changes the amax), kept in
 ``global_scale_inv_t``.
 
@@ -128,7 +128,7 @@ def _encode(
     # TE's formulas (see the module docstring), FP32 step by step: the block scale
     # amax_b * (s_enc * (1/6)) and the multiplier 1 / (s_dec * (1/s_enc)). Equivalent in
     # exact arithmetic to amax_b / 6 * s_enc and s_enc / s_dec, they round differently:
-    # about 0.3% of the codes of a bf16 tensor sit at near-ties where the two disagree.
+    # a few codes in 8192 of a random bf16 tensor sit at near-ties where the two disagree.
     s_dec = scale_and_cast(block_amax, s_enc * _ONE_SIXTH, "e4m3")
     s_dec_f32 = s_dec.float()
     s_dec_global = s_enc.reciprocal()
