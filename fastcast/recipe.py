@@ -271,8 +271,8 @@ class NVFP4BlockScaling(Recipe):
     inputs or weights) stochastically; ``random_hadamard_transform`` applies a 16x16
     random Hadamard transform along the tokens to both operands of the weight-gradient
     GEMM (the column-wise layouts of input and gradient), with TE's fixed sign vector, or
-    one drawn from ``rht_seed``. Each can be turned off (all off: fastcast's NVFP4
-    before these defaults, but for 2D weight tiles).
+    one drawn from ``rht_seed``. Each can be turned off; ``stochastic_rounding=False,
+    random_hadamard_transform=False`` is fastcast's earlier NVFP4 recipe.
 
     Keep the last layer (an LM head) in high precision too: ``fc.convert(model,
     fc.keep_high_precision(model))``.
