@@ -11,6 +11,11 @@ regression task, from the same initial weights, and prints per run
   CPU the CPU is the device, so the three are one and the same number;
 - the final loss (mean of the last 5 steps) and its ratio to the high-precision run's
   (fp32, or bf16 when fp32 is not run), with PASS when it is within 5%;
+- the held-out loss: the trained model's MSE on ``HELDOUT`` fresh samples of the same
+  task, evaluated in FP32 (no autocast: it measures what training learned, apart from
+  quantizing the evaluation itself), and its ratio to the reference's, with PASS
+  against ``HELDOUT_TOLERANCE`` (NVFP4 within 3%, row-wise FP8 within 1%, others 5%);
+  the same model's held-out loss evaluated under its recipe is printed too;
 - on CUDA, the step time relative to the bf16 run.
 
 On CPU it runs on one intra-op thread unless ``--threads`` says otherwise: on a machine
@@ -19,7 +24,8 @@ operation for milliseconds, which makes step times meaningless (and a run take m
 
 Model: ``depth`` pre-norm residual blocks ``x + fc2(gelu(fc1(layernorm(x))))`` with
 ``fc1: width -> 4*width`` and ``fc2: 4*width -> width``, then a final LayerNorm and a
-``Linear(width, 32)`` head. FP8/FP4 runs ``fc.convert`` every Linear and run the forward
+``Linear(width, 32)`` head. FP8/FP4 runs ``fc.convert`` every Linear (NVFP4 all but the
+head, which ``fc.keep_high_precision`` keeps, its recommended default) and run the forward
 inside ``fc.autocast(recipe=...)``; the loss, backward and optimizer step stay outside,
 as users write them. The bf16 run keeps ``nn.Linear`` and runs the forward under
 ``torch.autocast(dtype=torch.bfloat16)``.
@@ -35,8 +41,13 @@ dynamic scaling) is the peer of ``current``; it is skipped when torchao is missi
 recipe that fails to compile is reported with the first line of its error.
 
 Data: a fixed random teacher (``tanh`` MLP) maps Gaussian inputs to targets scaled to
-unit variance; every run sees the same pre-generated batches (one fresh batch per
-step) and AdamW with the same settings. ``run()`` is the API tests call.
+unit variance, plus Gaussian label noise of standard deviation ``LABEL_NOISE`` = 0.3 in
+training and held-out targets alike: the noise is what no model can predict, so it sets
+a floor of 0.09 under both losses (a model at the floor has learned the teacher; one
+below it on the training batches has fit their noise), and 0.3 keeps the floor well
+under the teacher's signal (variance 1) so that quantization error still shows. Every
+run sees the same pre-generated batches (one fresh batch per step) and AdamW with the
+same settings. ``run()`` is the API tests call.
 """
 
 from __future__ import annotations
@@ -70,6 +81,12 @@ QUANTIZED: dict[str, Callable[[], fc.Recipe]] = {
 
 OUT_FEATURES = 32  # a multiple of every recipe's block, so that the head converts too
 TOLERANCE = 0.05  # the final loss must be within 5% of the high-precision run's
+# Held-out loss targets (issue 14): NVFP4 within 3% of FP32, row-wise FP8 within 1%.
+HELDOUT_TOLERANCE = {"nvfp4": 0.03, "rowwise": 0.01}
+HELDOUT = 4096  # held-out samples
+LABEL_NOISE = 0.3  # std of the label noise: the loss floor is its square, 0.09
+# Recipes whose output layer stays high precision (fc.keep_high_precision's default).
+KEEP_HEAD = ("nvfp4",)
 FINAL_WINDOW = 5  # steps averaged for the final loss
 WARMUP_STEPS = 3  # steps left out of the timing medians (plans, caches, allocator)
 
@@ -109,7 +126,15 @@ class MLPStack(nn.Module):
 def make_data(
     width: int, batch: int, steps: int, seed: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``steps`` batches of Gaussian inputs ``[batch, width]`` and teacher targets.
+    """``steps`` batches of Gaussian inputs ``[batch, width]`` and noisy teacher targets."""
+    return make_datasets(width, batch, steps, seed, device)[:2]
+
+
+def make_datasets(
+    width: int, batch: int, steps: int, seed: int, device: torch.device, heldout: int = HELDOUT
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Training batches (``make_data``) and ``heldout`` held-out samples of the same task:
+    ``(inputs, targets, heldout_inputs, heldout_targets)``.
 
     Drawn from a generator of its own (seeded with ``seed``), on the CPU, so that the
     data is the same whatever the device and whatever ran before.
@@ -120,8 +145,13 @@ def make_data(
     w2 = torch.randn(hidden, OUT_FEATURES, generator=gen) / math.sqrt(hidden)
     inputs = torch.randn(steps, batch, width, generator=gen)
     targets = torch.tanh(inputs @ w1) @ w2
-    targets /= targets.std()
-    return inputs.to(device), targets.to(device)
+    scale = targets.std()
+    targets /= scale
+    held_inputs = torch.randn(heldout, width, generator=gen)
+    held_targets = torch.tanh(held_inputs @ w1) @ w2 / scale
+    targets += LABEL_NOISE * torch.randn(targets.shape, generator=gen)
+    held_targets += LABEL_NOISE * torch.randn(held_targets.shape, generator=gen)
+    return tuple(t.to(device) for t in (inputs, targets, held_inputs, held_targets))
 
 
 # --------------------------------------------------------------------------- one run
@@ -175,7 +205,8 @@ def run(
     torch.manual_seed(seed)  # the same initial weights for every recipe
     model = MLPStack(width, depth).to(device)
     if recipe_name in QUANTIZED:
-        fc.convert(model, recipe=QUANTIZED[recipe_name]())
+        keep = fc.keep_high_precision(model) if recipe_name in KEEP_HEAD else None
+        fc.convert(model, keep, recipe=QUANTIZED[recipe_name]())
     elif recipe_name == "torchao":
         _torchao_float8(model)
     converted = sum(isinstance(m, fc.Linear) for m in model.modules())
@@ -194,7 +225,7 @@ def run(
     if compile and not model_outside:
         step_loss = torch.compile(forward_loss, fullgraph=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    inputs, targets = make_data(width, batch, steps, seed, device)
+    inputs, targets, held_inputs, held_targets = make_datasets(width, batch, steps, seed, device)
 
     losses: list[torch.Tensor] = []
     step_s: list[float] = []
@@ -228,6 +259,10 @@ def run(
 
     loss_values = torch.stack(losses).float().cpu().tolist()
     window = loss_values[-FINAL_WINDOW:]
+    with torch.no_grad():  # after training: in FP32, and under the recipe
+        heldout = F.mse_loss(model(held_inputs).float(), held_targets).item()
+        with forward_context():
+            heldout_recipe = F.mse_loss(model(held_inputs).float(), held_targets).item()
     return {
         "recipe": recipe_name,
         "device": str(device),
@@ -235,6 +270,8 @@ def run(
         "converted": converted,
         "losses": loss_values,
         "final_loss": sum(window) / len(window),
+        "heldout_loss": heldout,
+        "heldout_recipe_loss": heldout_recipe,
         "step_ms": 1e3 * statistics.median(step_s),
         "cpu_ms": 1e3 * statistics.median(cpu_s),
         "gpu_ms": statistics.median(gpu_ms) if gpu_ms else None,
@@ -260,9 +297,22 @@ def loss_ratio(result: dict[str, Any], reference: dict[str, Any]) -> float:
     return a / b
 
 
-def within_tolerance(ratio: float) -> bool:
-    """Whether a final-loss ratio is within ``TOLERANCE`` of 1, either way."""
-    return math.isfinite(ratio) and abs(ratio - 1.0) <= TOLERANCE
+def within_tolerance(ratio: float, tolerance: float = TOLERANCE) -> bool:
+    """Whether a loss ratio is within ``tolerance`` of 1, either way."""
+    return math.isfinite(ratio) and abs(ratio - 1.0) <= tolerance
+
+
+def heldout_ratio(result: dict[str, Any], reference: dict[str, Any]) -> float:
+    """``heldout_loss / reference heldout_loss`` (NaN when either is not finite)."""
+    a, b = result["heldout_loss"], reference["heldout_loss"]
+    if not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
+        return math.nan
+    return a / b
+
+
+def heldout_tolerance(recipe_name: str) -> float:
+    """The held-out loss target of a recipe: ``HELDOUT_TOLERANCE`` or ``TOLERANCE``."""
+    return HELDOUT_TOLERANCE.get(recipe_name, TOLERANCE)
 
 
 # --------------------------------------------------------------------------- command line
@@ -365,6 +415,7 @@ def _run_all(args: argparse.Namespace, device: torch.device) -> int:
         reference = next((results[h] for h in HIGH_PRECISION if h in results), None)
         ratio = loss_ratio(r, reference) if reference is not None else math.nan
         r["loss_ratio"] = ratio
+        r["heldout_ratio"] = heldout_ratio(r, reference) if reference is not None else math.nan
         line = f"{name:>8}: step {_fmt(r['step_ms'])} ms"
         if cuda:
             line += f", CPU {_fmt(r['cpu_ms'])} ms, GPU {_fmt(r['gpu_ms'])} ms"
@@ -374,11 +425,22 @@ def _run_all(args: argparse.Namespace, device: torch.device) -> int:
         if reference is not None and reference is not r:
             verdict = "PASS" if within_tolerance(ratio) else "MISS"
             line += f" = {_fmt(ratio, '.3f')}x {reference['recipe']} ({verdict} within 5%)"
+        line += f", held-out {_fmt(r['heldout_loss'], '.4f')}"
+        if reference is not None and reference is not r:
+            tol = heldout_tolerance(name)
+            verdict = "PASS" if within_tolerance(r["heldout_ratio"], tol) else "MISS"
+            line += f" = {_fmt(r['heldout_ratio'], '.3f')}x ({verdict} within {tol:.0%})"
+        if name in QUANTIZED:
+            line += f", under the recipe {_fmt(r['heldout_recipe_loss'], '.4f')}"
         if name in QUANTIZED:
             line += f" [{r['converted']} fc.Linear]"
         print(line, flush=True)
 
     _print_table(results, skipped, cuda)
+    print(
+        f"held-out: {HELDOUT} fresh samples, evaluated in FP32 after training; label noise "
+        f"std {LABEL_NOISE}: no model goes below {LABEL_NOISE**2:.4f}"
+    )
     print(f"total {time.perf_counter() - started:.1f} s")
     return 0
 
@@ -389,6 +451,7 @@ def _print_table(results: dict[str, dict[str, Any]], skipped: dict[str, str], cu
     if cuda:
         headers += ["CPU ms", "GPU ms", "vs bf16"]
     headers += ["final loss", f"vs {reference or 'ref'}", "within 5%"]
+    headers += ["held-out", f"vs {reference or 'ref'}", "target", "under recipe"]
     rows = []
     for name, r in results.items():
         row = [name, _fmt(r["step_ms"])]
@@ -404,6 +467,17 @@ def _print_table(results: dict[str, dict[str, Any]], skipped: dict[str, str], cu
         else:
             verdict = "PASS" if within_tolerance(ratio) else "MISS"
         row += [_fmt(r["final_loss"], ".4f"), _fmt(ratio, ".3f"), verdict]
+        held = r.get("heldout_ratio", math.nan)
+        tol = heldout_tolerance(name)
+        if name == reference:
+            held_verdict = "(reference)"
+        elif reference is None:
+            held_verdict = "-"
+        else:
+            held_verdict = f"{'PASS' if within_tolerance(held, tol) else 'MISS'} {tol:.0%}"
+        recipe_eval = r["heldout_recipe_loss"] if name in QUANTIZED else None
+        row += [_fmt(r["heldout_loss"], ".4f"), _fmt(held, ".3f"), held_verdict]
+        row += [_fmt(recipe_eval, ".4f")]
         rows.append(row)
     for name, reason in skipped.items():
         rows.append([name, "skipped", *[""] * (len(headers) - 3), reason[:40]])

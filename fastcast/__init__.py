@@ -10,7 +10,7 @@ from .hardware import (
     mxfp8_available,
     nvfp4_available,
 )
-from .nn import Linear, convert
+from .nn import Linear, convert, keep_high_precision
 from .recipe import (
     CustomRecipe,
     DelayedScaling,
@@ -50,6 +50,7 @@ __all__ = [
     "fp8_block_scaling_available",
     "get_autocast_recipe",
     "is_autocast_enabled",
+    "keep_high_precision",
     "mxfp8_available",
     "nvfp4_available",
     "quantize",

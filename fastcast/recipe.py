@@ -265,13 +265,24 @@ class MXFP8BlockScaling(Recipe):
 class NVFP4BlockScaling(Recipe):
     """NVFP4: 16-element E2M1 blocks with E4M3 block scales and an FP32 tensor scale.
 
+    The defaults are TransformerEngine's NVFP4 recipe (its ``disable_*`` flags off):
     ``weight_2d_blocks`` quantizes weights in 16x16 tiles, so that the weight and its
-    transpose share one quantization; ``stochastic_rounding`` applies to gradients.
+    transpose share one quantization; ``stochastic_rounding`` rounds the gradients (not
+    inputs or weights) stochastically; ``random_hadamard_transform`` applies a 16x16
+    random Hadamard transform along the tokens to both operands of the weight-gradient
+    GEMM (the column-wise layouts of input and gradient), with TE's fixed sign vector, or
+    one drawn from ``rht_seed``. Each can be turned off; ``stochastic_rounding=False,
+    random_hadamard_transform=False`` is fastcast's earlier NVFP4 recipe.
+
+    Keep the last layer (an LM head) in high precision too: ``fc.convert(model,
+    fc.keep_high_precision(model))``.
     """
 
     fp4_format: Format = Format.E2M1
     weight_2d_blocks: bool = True
-    stochastic_rounding: bool = False
+    stochastic_rounding: bool = True
+    random_hadamard_transform: bool = True
+    rht_seed: int | None = None
 
     def _check(self) -> None:
         name = "NVFP4BlockScaling"
@@ -281,6 +292,13 @@ class NVFP4BlockScaling(Recipe):
         )
         _require_bool(name, "weight_2d_blocks", self.weight_2d_blocks)
         _require_bool(name, "stochastic_rounding", self.stochastic_rounding)
+        _require_bool(name, "random_hadamard_transform", self.random_hadamard_transform)
+        seed = self.rht_seed
+        _require(
+            seed is None or (type(seed) is int and seed >= 0),
+            f"{name}: rht_seed must be None (TransformerEngine's fixed signs) or an int >= 0, "
+            f"got {seed!r}",
+        )
 
 
 @_frozen

@@ -371,16 +371,34 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 @register_storage
 class NVFP4Tensor(QuantizedTensor):
     """NVFP4: E2M1 codes packed two per byte (first element in the low nibble), an E4M3
-    scale per 16 elements, and an FP32 per-tensor scale (``global_scale_inv``)."""
+    scale per 16 elements, and an FP32 per-tensor scale (``global_scale_inv``).
+
+    A layout may hold the random Hadamard transform of the matrix rather than the matrix
+    (the weight-gradient operands, ``quantize.hadamard``): ``rht`` is then the sign vector
+    of the transform of the row-wise layout along its last dim, ``rht_t`` that of the
+    column-wise layout along R, whose tensor scale is ``global_scale_inv_t`` (the
+    transform changes the amax). A GEMM of two operands transformed alike computes the
+    product of the matrices; ``dequantize`` undoes the transform.
+    """
 
     storage_name = "nvfp4"
     FAMILY = NVFP4
-    inner_names = QuantizedTensor.inner_names + ("global_scale_inv",)
-    __slots__ = ("global_scale_inv",)
+    inner_names = QuantizedTensor.inner_names + ("global_scale_inv", "global_scale_inv_t")
+    __slots__ = ("global_scale_inv", "global_scale_inv_t", "rht", "rht_t")
 
-    def __init__(self, *, global_scale_inv: torch.Tensor, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        global_scale_inv: torch.Tensor,
+        global_scale_inv_t: torch.Tensor | None = None,
+        rht: tuple[int, ...] | None = None,
+        rht_t: tuple[int, ...] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.global_scale_inv = global_scale_inv
+        self.global_scale_inv_t = global_scale_inv_t
+        self.rht, self.rht_t = rht, rht_t
 
     def _rows_cols(self, data: torch.Tensor) -> tuple[int, int]:
         return math.prod(data.shape[:-1]), data.shape[-1] * 2  # two codes per byte
@@ -390,6 +408,52 @@ class NVFP4Tensor(QuantizedTensor):
 
     def _decode_scales(self, scales: torch.Tensor) -> torch.Tensor:
         return scales.float() * self.global_scale_inv.float()
+
+    # -- the column-wise layout's own tensor scale and transform ---------------------------
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dtype
+        if self.data is None:  # the column-wise layout, as an operand of its own
+            out = self.columnwise_operand().dequantize(torch.float32)
+            return out.t().reshape(self.shape).to(dtype)
+        out = self._dequantize_layout(self.data, self.scale_inv, self.block)
+        if self.rht is not None:
+            from .quantize.hadamard import transform_rows  # (quantize imports this module)
+
+            out = transform_rows(out, self.rht, inverse=True)
+        return out.reshape(self.shape).to(dtype)
+
+    def t(self) -> QuantizedTensor:
+        clone = super().t()
+        clone.rht, clone.rht_t = self.rht_t, self.rht
+        if self.global_scale_inv_t is not None:
+            clone.global_scale_inv_t = self.global_scale_inv
+            clone.global_scale_inv = self.global_scale_inv_t
+        return clone
+
+    def columnwise_operand(self) -> QuantizedTensor:
+        clone = super().columnwise_operand()
+        clone.rht, clone.rht_t = self.rht_t, None
+        if self.global_scale_inv_t is not None:
+            clone.global_scale_inv = self.global_scale_inv_t
+        clone.global_scale_inv_t = None
+        return clone
+
+    def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
+        names, ctx = super().__tensor_flatten__()
+        ctx["rht"], ctx["rht_t"] = self.rht, self.rht_t
+        return names, ctx
+
+    @classmethod
+    def __tensor_unflatten__(
+        cls,
+        inner_tensors: dict[str, torch.Tensor],
+        ctx: dict[str, Any],
+        outer_size: Any = None,
+        outer_stride: Any = None,
+    ) -> QuantizedTensor:
+        obj = super().__tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride)
+        obj.rht, obj.rht_t = ctx.get("rht"), ctx.get("rht_t")
+        return obj
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -422,6 +486,9 @@ class TensorProto:
     block_t: tuple[int, int] = (0, 0)
     # (name, shape, dtype) of every inner tensor, in flatten order.
     inner: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
+    # (key, value) of the flatten context a storage class adds to the common one
+    # (NVFP4's Hadamard sign vectors), hashable values only.
+    extra: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def of(cls, t: torch.Tensor | QuantizedTensor) -> TensorProto:
@@ -436,6 +503,7 @@ class TensorProto:
                 block=tuple(t.block),
                 block_t=tuple(t.block_t),
                 inner=tuple((n, tuple(getattr(t, n).shape), getattr(t, n).dtype) for n in names),
+                extra=tuple((k, v) for k, v in ctx.items() if k not in _COMMON_CTX),
             )
         if isinstance(t, torch.Tensor):
             return cls(storage="tensor", shape=tuple(t.shape), dtype=t.dtype)
@@ -481,8 +549,12 @@ class TensorProto:
             "dtype": str(self.dtype).removeprefix("torch."),
             "block": self.block,
             "block_t": self.block_t,
+            **dict(self.extra),
         }
         return STORAGE[self.storage].__tensor_unflatten__(dict(inner), ctx)
+
+
+_COMMON_CTX = frozenset(("storage", "fmt", "shape", "dtype", "block", "block_t"))
 
 
 def _itemsize(dtype: torch.dtype) -> int:

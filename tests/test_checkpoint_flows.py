@@ -87,6 +87,9 @@ def _step(model, recipe, seed):
     GradScaler, no optimizer state). What it computed, before the update."""
     model.zero_grad(set_to_none=True)
     ids = _batch(seed)
+    # Stochastic rounding (NVFP4's default, for gradients) draws from the global
+    # generator, whose state is the user's to save: the same per step in every run.
+    torch.manual_seed(seed)
     with fc.autocast(recipe=recipe):
         out = model(input_ids=ids, labels=ids)
     out.loss.backward()

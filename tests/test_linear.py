@@ -36,8 +36,12 @@ STATELESS = {
     "block-hybrid-f32": fc.Float8BlockScaling(fp8_format=HYBRID, use_f32_scales=True),
     "mxfp8": fc.MXFP8BlockScaling(),
     "mxfp8-hybrid": fc.MXFP8BlockScaling(fp8_format=HYBRID),
+    # (Stochastic rounding off: the references quantize again, with draws of their own.)
     "nvfp4": fc.NVFP4BlockScaling(stochastic_rounding=False),
-    "nvfp4-1d-weight": fc.NVFP4BlockScaling(weight_2d_blocks=False),
+    "nvfp4-1d-weight": fc.NVFP4BlockScaling(weight_2d_blocks=False, stochastic_rounding=False),
+    "nvfp4-no-rht": fc.NVFP4BlockScaling(
+        stochastic_rounding=False, random_hadamard_transform=False
+    ),
 }
 ALL_RECIPES = {**STATELESS, "delayed": fc.DelayedScaling()}
 
@@ -63,12 +67,20 @@ def deq(q):
     return q.dequantize(torch.float64)
 
 
+def wgrad_operand(q):
+    """The column-wise layout as the weight-gradient GEMM reads it (``[K, R]``, float64):
+    under NVFP4's random Hadamard transform, the transformed matrix (``dequantize``
+    would undo the transform)."""
+    return q.columnwise_operand().dequantize_rowwise_2d().double()
+
+
 def fp64_reference(x, weight, bias, grad_out, recipe):
     """Output and gradients from the quantized operands each GEMM of fc.Linear uses.
 
     forward ``x_q @ w_q^T`` (row-wise layouts); dgrad ``g_q @ (w^T)_q^T`` where the
     weight's column-wise layout is the transposed matrix quantized along the other axis;
-    wgrad ``(g^T)_q @ (x^T)_q^T`` with both column-wise layouts. All in float64.
+    wgrad ``(g^T)_q @ (x^T)_q^T`` with both column-wise layouts (as the GEMM reads them:
+    with NVFP4's Hadamard transform, both transformed). All in float64.
     """
     x2d = x.detach().reshape(-1, x.shape[-1])
     g2d = grad_out.detach().reshape(-1, grad_out.shape[-1])
@@ -78,8 +90,8 @@ def fp64_reference(x, weight, bias, grad_out, recipe):
         out = out + bias.detach().double()
     w_t = deq(fc.quantize(w, recipe, "weight", columnwise=True).t())  # [K, N]
     dx = deq(fc.quantize(g2d, recipe, "grad_output")) @ w_t.T  # [M, K]
-    g_t = deq(fc.quantize(g2d, recipe, "grad_output", columnwise=True).t())  # [N, M]
-    x_t = deq(fc.quantize(x2d, recipe, "input", columnwise=True).t())  # [K, M]
+    g_t = wgrad_operand(fc.quantize(g2d, recipe, "grad_output", columnwise=True))  # [N, M]
+    x_t = wgrad_operand(fc.quantize(x2d, recipe, "input", columnwise=True))  # [K, M]
     dw = g_t @ x_t.T  # [N, K]
     db = g2d.double().sum(0)
     lead = x.shape[:-1]
@@ -538,7 +550,13 @@ def test_mxfp8_in_features_not_multiple_of_32_names_the_layer():
 # -- token counts that are not multiples of the block -----------------------------------------
 # MXFP8 and NVFP4 quantize the weight gradient's operands in blocks along the tokens (the
 # rows R of the [R, K] view); fc.Linear pads R with zero rows to the block and slices back.
-ROW_BLOCK = {"mxfp8": 32, "mxfp8-hybrid": 32, "nvfp4": 16, "nvfp4-1d-weight": 16}
+ROW_BLOCK = {
+    "mxfp8": 32,
+    "mxfp8-hybrid": 32,
+    "nvfp4": 16,
+    "nvfp4-1d-weight": 16,
+    "nvfp4-no-rht": 16,
+}
 # Leading dims of 3-D inputs: 1, 17, 33 and 100 tokens.
 TOKENS = [(1, 1), (1, 17), (3, 11), (4, 25)]
 

@@ -94,7 +94,9 @@ def _distinct_recipes():
         Float8BlockScaling(use_f32_scales=True),
         MXFP8BlockScaling(fp8_format=Format.HYBRID),
         NVFP4BlockScaling(weight_2d_blocks=False),
-        NVFP4BlockScaling(stochastic_rounding=True),
+        NVFP4BlockScaling(stochastic_rounding=False),
+        NVFP4BlockScaling(random_hadamard_transform=False),
+        NVFP4BlockScaling(rht_seed=7),
         CustomRecipe(other_quantizer_factory),
     ]
 
@@ -166,6 +168,13 @@ INVALID = [
     (NVFP4BlockScaling, {"fp4_format": "e2m1"}, "fp4_format must be Format.E2M1"),
     (NVFP4BlockScaling, {"weight_2d_blocks": 1}, "weight_2d_blocks must be a bool"),
     (NVFP4BlockScaling, {"stochastic_rounding": None}, "stochastic_rounding must be a bool"),
+    (
+        NVFP4BlockScaling,
+        {"random_hadamard_transform": 1},
+        "random_hadamard_transform must be a bool",
+    ),
+    (NVFP4BlockScaling, {"rht_seed": -1}, "rht_seed must be None"),
+    (NVFP4BlockScaling, {"rht_seed": True}, "rht_seed must be None"),
     # CustomRecipe
     (CustomRecipe, {"qfactory": None}, "qfactory must be callable"),
     (CustomRecipe, {"qfactory": 42}, "qfactory must be callable"),
@@ -245,6 +254,11 @@ def test_defaults_match_the_documented_api():
     assert b.use_f32_scales is False
     assert MXFP8BlockScaling().fp8_format is Format.E4M3
     assert NVFP4BlockScaling().fp4_format is Format.E2M1
+    # TransformerEngine's NVFP4 defaults: 2D weight tiles, stochastic rounding of the
+    # gradients and the Hadamard transform of the weight-gradient operands, TE's signs.
+    nvfp4 = NVFP4BlockScaling()
+    assert nvfp4.weight_2d_blocks and nvfp4.stochastic_rounding
+    assert nvfp4.random_hadamard_transform and nvfp4.rht_seed is None
 
 
 # --------------------------------------------------------------------------- frozen
@@ -277,7 +291,7 @@ def test_equal_by_value_across_separately_built_objects():
         lambda: Float8CurrentScaling(use_power_2_scales=True, amax_epsilon=1e-8),
         lambda: Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1),
         lambda: MXFP8BlockScaling(fp8_format=Format.HYBRID),
-        lambda: NVFP4BlockScaling(stochastic_rounding=True),
+        lambda: NVFP4BlockScaling(stochastic_rounding=False, rht_seed=3),
         lambda: CustomRecipe(quantizer_factory),
     ):
         a, b = make(), make()

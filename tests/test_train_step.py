@@ -66,6 +66,7 @@ def test_command_line_prints_a_table(capsys):
     assert lines[header + 2].split()[0] == "fp32"
     assert lines[header + 3].split()[0] == "current"
     assert "the CPU is the device" in out
+    assert "held-out" in lines[header] and "noise" in out
 
 
 def test_unknown_recipe_is_refused():
@@ -79,3 +80,17 @@ def test_compile_mode_runs_every_recipe_and_torchao_only_when_asked():
     assert "torchao" not in train_step.parse_args([]).recipes
     assert train_step.parse_args(["--compile"]).recipes == list(train_step.RECIPES)
     assert train_step.parse_args(["--recipes", "torchao,fp32"]).recipes == ["fp32", "torchao"]
+
+
+def test_nvfp4_keeps_its_head_and_reports_held_out_loss(fp32_run):
+    result = train_step.run("nvfp4", device="cpu", **SIZE)
+    assert result["converted"] == CONVERTED - 1  # the head stays high precision
+    # Held-out loss: fresh samples of the same noisy task, so never below the noise floor.
+    floor = train_step.LABEL_NOISE**2
+    for r in (fp32_run, result):
+        assert r["heldout_loss"] > floor and r["heldout_recipe_loss"] > floor
+    assert fp32_run["heldout_loss"] < 0.5 * fp32_run["losses"][0]  # it generalises
+    ratio = train_step.heldout_ratio(result, fp32_run)
+    assert ratio == result["heldout_loss"] / fp32_run["heldout_loss"]
+    assert train_step.heldout_tolerance("nvfp4") == 0.03
+    assert train_step.heldout_tolerance("current") == train_step.TOLERANCE

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
@@ -99,6 +99,39 @@ def convert(
             if isinstance(layer, Linear):
                 layer.prepare_state(recipe)
     return module
+
+
+def keep_high_precision(
+    module: nn.Module, *, first: int = 0, last: int = 1, names: Sequence[str] = ()
+) -> Callable[[nn.Module, str], bool]:
+    """A ``module_filter_fn`` for ``convert`` that keeps chosen layers of ``module`` in
+    high precision: the first ``first`` and the last ``last`` ``nn.Linear`` layers below
+    it (in registration order, a shared layer counted once), and every layer whose
+    qualified name is one of ``names`` or lies below one (``"model.layers.0"`` keeps
+    the first block of a Hugging Face Llama).
+
+    The recommended default for NVFP4, ``last=1``, keeps the output layer (a language
+    model's ``lm_head``, a regression head): its errors are not averaged away by any
+    later layer, and it is a small share of the compute. NVIDIA's NVFP4 pretraining
+    recipe keeps a few more (some of the first and last blocks); pass ``first`` or
+    ``names`` for those.
+    """
+    for what, n in (("first", first), ("last", last)):
+        if type(n) is not int or n < 0:
+            raise ValueError(f"fastcast.keep_high_precision: {what} must be an int >= 0, got {n!r}")
+    if isinstance(names, str):
+        names = (names,)
+    order: list[int] = []
+    for layer in module.modules():  # each module once, in registration order
+        if isinstance(layer, nn.Linear):
+            order.append(id(layer))
+    kept = set(order[:first]) | set(order[len(order) - last :] if last else ())
+    prefixes = tuple(f"{n}." for n in names)
+
+    def convert_it(layer: nn.Module, name: str) -> bool:
+        return id(layer) not in kept and name not in names and not name.startswith(prefixes)
+
+    return convert_it
 
 
 def _validate_loads(module: nn.Module) -> None:

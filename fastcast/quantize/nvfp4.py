@@ -1,33 +1,43 @@
 """NVFP4: E2M1 elements in blocks of 16 with E4M3 block scales and an FP32 tensor scale.
 
 The two-level scaling NVIDIA defines for Blackwell, with ``amax`` the max magnitude of
-the whole tensor and ``amax_b`` that of one block (all arithmetic in FP32):
+the tensor's finite elements and ``amax_b`` that of one block (all arithmetic in FP32,
+each step written as TransformerEngine's reference quantizer computes it, so that the
+codes agree with it bit for bit, near-ties included):
 
-- tensor encode scale ``s_enc = (6 * 448) / amax`` (amax 0 or non-finite: 1.0; an amax
-  below ``6 * 448 / FP32_MAX`` counts as that), stored as its reciprocal
-  ``global_scale_inv``;
-- block decode scale ``s_dec = amax_b / 6 * s_enc``, stored as E4M3 with a saturating
-  cast, so the largest block of the tensor gets (about) the largest E4M3 value 448;
-- elements ``v = x * (s_enc / s_dec)``, the multiplier computed once per block from the
-  stored E4M3 ``s_dec`` and clamped to the FP32 max (a block whose ``s_dec`` is 0
-  encodes as zeros), rounded to E2M1 ``{0, 0.5, 1, 1.5, 2, 3, 4, 6}``: to nearest, ties
-  to the even code (the one whose mantissa bit is 0), saturating at 6, the sign of ``x``
-  in bit 3 (a negative value rounding to zero gives -0; -0.0 itself encodes as +0); or,
-  with stochastic rounding, to one of the two neighbouring grid values with probability
-  proportional to proximity;
+- tensor encode scale ``s_enc = (6 * 448) / amax`` (amax 0: 1.0; an amax below
+  ``6 * 448 / FP32_MAX`` counts as that), stored as its reciprocal, the tensor decode
+  scale ``global_scale_inv = 1 / s_enc``;
+- block decode scale ``s_dec = amax_b * (s_enc * (1/6))`` (TE's
+  ``vec_max * global_encode_scale_multiplier``, with ``1/6`` rounded to FP32), stored as
+  E4M3 with a saturating cast, so the largest block of the tensor gets (about) 448;
+- elements ``v = x * (1 / (s_dec * global_scale_inv))`` (TE's
+  ``1 / (decode_scale * global_decode_scale)``: the multiplier consistent with what the
+  decoder multiplies by), computed once per block from the stored E4M3 ``s_dec`` and
+  clamped to the FP32 max (a block whose ``s_dec`` is 0 encodes as zeros; TE gives it
+  codes of +-6, which decode to 0 as well), rounded to E2M1
+  ``{0, 0.5, 1, 1.5, 2, 3, 4, 6}``: to nearest, ties to the even code (the one whose
+  mantissa bit is 0), saturating at 6, the sign of ``x`` in bit 3 (a negative value
+  rounding to zero gives -0; -0.0 itself encodes as +0); or, with stochastic rounding,
+  to one of the two neighbouring grid values with probability proportional to proximity;
 - decoding: ``x ~= e2m1 * s_dec * global_scale_inv`` (``NVFP4Tensor``).
 
 Blocks are 16 consecutive elements along K (``1x16``), or 16x16 tiles, whose
 column-wise layout is then the exact transpose of the row-wise one (a weight and its
 transpose share one quantization). The 1x16 column-wise layout quantizes ``x.t()``
-along R with the same tensor scale.
+along R with the same tensor scale; with ``rht`` (the random Hadamard transform of the
+weight-gradient operands, ``quantize.hadamard``) it quantizes ``RHT(x).t()``
+instead, under a tensor scale of its own (the transform changes the amax), kept in
+``global_scale_inv_t``.
 
 Non-finite inputs: E2M1 has neither NaN nor infinity, and the E4M3 block scale has no
 infinity. A block holding a NaN or an infinity gets a NaN E4M3 scale (its amax is not
 finite, and the scale cast turns inf into NaN rather than saturating it) and codes of
-+-0, so that whole block, not only the non-finite element, dequantizes to NaN; the
-tensor scale then falls back to 1.0 (the tensor amax is not finite either). Only finite
-values beyond the range saturate: elements at the code for 6, block scales at 448.
++-0, so that whole block, not only the non-finite element, dequantizes to NaN. The
+tensor amax leaves non-finite elements out, so every other block quantizes exactly as
+it would were those elements 0 (only a tensor with no finite non-zero element falls
+back to ``s_enc = 1``). Only finite values beyond the range saturate: elements at the
+code for 6, block scales at 448.
 """
 
 from __future__ import annotations
@@ -41,11 +51,13 @@ from ..kernels import fused_op
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
 from ..tensor import E2M1_VALUES, NVFP4Tensor
+from . import hadamard
 from .base import FP32_MAX, as_matrix, check_input, scale_and_cast, scale_from_amax
 
 BLOCK = 16
 E2M1_MAX = ELEMENT_MAX["e2m1"]
 E4M3_MAX = ELEMENT_MAX["e4m3"]
+_ONE_SIXTH = torch.tensor(1.0, dtype=torch.float32).div(E2M1_MAX).item()  # 1/6 in FP32
 
 # Round to nearest: a magnitude above the midpoint between two neighbouring grid values
 # moves up a code; at the midpoint itself it moves up only when the upper code is even
@@ -86,12 +98,17 @@ def _round_stochastic(mag: torch.Tensor, generator: torch.Generator | None) -> t
     return _round_nearest_even(lower.mul_(step))
 
 
-def _global_encode_scale(block_amax: torch.Tensor) -> torch.Tensor:
-    """``s_enc = 6 * 448 / amax`` as an FP32 scalar (1.0 for amax 0, NaN or infinite)."""
-    if block_amax.numel() == 0:
-        amax = torch.zeros((), dtype=torch.float32, device=block_amax.device)
+def _global_encode_scale(mag: torch.Tensor) -> torch.Tensor:
+    """``s_enc = 6 * 448 / amax`` as an FP32 scalar, ``amax`` the max of the finite
+    magnitudes ``mag`` (1.0 when there is none above 0).
+
+    Non-finite elements are left out rather than let a NaN amax reset the scale to 1.0:
+    under that fallback the blocks of small values would flush to zero, so one NaN
+    would wipe out the whole tensor instead of its own block."""
+    if mag.numel() == 0:
+        amax = torch.zeros((), dtype=torch.float32, device=mag.device)
     else:
-        amax = block_amax.amax()  # NaN propagates, giving the fallback
+        amax = torch.nan_to_num(mag, nan=0.0, posinf=0.0).amax()
     return scale_from_amax(amax, E2M1_MAX * E4M3_MAX)
 
 
@@ -108,12 +125,17 @@ def _encode(
     ``blocks`` is ``[rows/tr, tr, cols/16, 16]`` (FP32), ``mag`` its magnitudes (a
     temporary, overwritten) and ``block_amax`` its per-tile max ``[rows/tr, cols/16]``.
     """
-    # A divisor on the device: CUDA multiplies by the reciprocal of a CPU scalar instead.
-    six = torch.full((), E2M1_MAX, dtype=torch.float32, device=block_amax.device)
-    s_dec = scale_and_cast(block_amax.div(six), s_enc, "e4m3")
+    # TE's formulas (see the module docstring), FP32 step by step: the block scale
+    # amax_b * (s_enc * (1/6)) and the multiplier 1 / (s_dec * (1/s_enc)). Equivalent in
+    # exact arithmetic to amax_b / 6 * s_enc and s_enc / s_dec, they round differently:
+    # a few codes in 8192 of a random bf16 tensor sit at near-ties where the two disagree.
+    s_dec = scale_and_cast(block_amax, s_enc * _ONE_SIXTH, "e4m3")
     s_dec_f32 = s_dec.float()
+    s_dec_global = s_enc.reciprocal()
     # The per-block encode multiplier; a zero decode scale means the block encodes as 0.
-    encode = torch.where(s_dec_f32 == 0, 0.0, (s_enc / s_dec_f32).clamp_max_(FP32_MAX))
+    encode = torch.where(
+        s_dec_f32 == 0, 0.0, s_dec_f32.mul_(s_dec_global).reciprocal_().clamp_max_(FP32_MAX)
+    )
     scaled = mag.mul_(encode[:, None, :, None])
     if stochastic:
         codes = _round_stochastic(scaled, generator)
@@ -143,10 +165,15 @@ class NVFP4Quantizer:
 
     ``block_2d``: 16x16 tiles instead of 1x16 blocks (weights). ``stochastic_rounding``:
     round elements stochastically (gradients), drawing from ``generator`` when given.
+    ``rht``: the sign vector of a random Hadamard transform (``hadamard.sign_vector``)
+    applied along R to the column-wise layout before it is quantized, under a tensor
+    scale of its own (the weight-gradient operands, input and gradient, whose product
+    the transform leaves unchanged); the row-wise layout stays as it is. 1x16 only.
     """
 
     block_2d: bool = False
     stochastic_rounding: bool = False
+    rht: tuple[int, ...] | None = None
 
     fmt: ClassVar[str] = "e2m1"
 
@@ -155,6 +182,14 @@ class NVFP4Quantizer:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"NVFP4Quantizer: {name} must be a bool, got {value!r}")
+        if self.rht is not None:
+            hadamard.rht_matrix(self.rht)  # checks the signs
+            if self.block_2d:
+                raise ValueError(
+                    "NVFP4Quantizer: rht transforms the 1x16 column-wise layout; 16x16 tiles "
+                    "(block_2d=True) share one quantization between the layouts"
+                )
+            object.__setattr__(self, "rht", tuple(self.rht))
 
     @annotate("fastcast.quantize.nvfp4")
     def quantize(
@@ -182,6 +217,49 @@ class NVFP4Quantizer:
                 f"but the last dimension) to be a multiple of {BLOCK}; got a tensor of "
                 f"shape {tuple(x.shape)}"
             )
+        if self.rht is not None and columnwise:
+            return self._quantize_transformed(x, matrix, rowwise, generator)
+        return self._quantize(x, matrix, rowwise, columnwise, generator)
+
+    def _quantize_transformed(
+        self,
+        x: torch.Tensor,
+        matrix: torch.Tensor,
+        rowwise: bool,
+        generator: torch.Generator | None,
+    ) -> NVFP4Tensor:
+        """The row-wise layout of ``x`` and the column-wise layout of its transform, each
+        under its own tensor scale (TE's post-RHT amax): two quantizations, in this order
+        (the stochastic draws of each are those of the plain layouts)."""
+        assert self.rht is not None
+        row = self._quantize(x, matrix, True, False, generator) if rowwise else None
+        transformed = hadamard.transform_columns(matrix, self.rht)
+        col = self._quantize(transformed, transformed, False, True, generator)
+        return NVFP4Tensor(
+            fmt=self.fmt,
+            shape=x.shape,
+            dtype=x.dtype,
+            data=None if row is None else row.data,
+            scale_inv=None if row is None else row.scale_inv,
+            block=col.block,
+            data_t=col.data_t,
+            scale_inv_t=col.scale_inv_t,
+            block_t=col.block_t,
+            global_scale_inv=col.global_scale_inv if row is None else row.global_scale_inv,
+            global_scale_inv_t=col.global_scale_inv,
+            rht_t=self.rht,
+        )
+
+    def _quantize(
+        self,
+        x: torch.Tensor,
+        matrix: torch.Tensor,
+        rowwise: bool,
+        columnwise: bool,
+        generator: torch.Generator | None,
+    ) -> NVFP4Tensor:
+        """``quantize`` without the transform (shapes checked)."""
+        rows, cols = matrix.shape
         op = fused_op("quantize_nvfp4", x)
         if op is not None:  # both passes in one operator
             return self._quantize_fused(op, x, rows, cols, rowwise, columnwise, generator)
@@ -193,7 +271,7 @@ class NVFP4Quantizer:
         s_enc = None
         if rowwise or self.block_2d:
             blocks, mag, amax = _tiles(matrix, tile_rows)
-            s_enc = _global_encode_scale(amax)
+            s_enc = _global_encode_scale(mag)
             codes, scales = _encode(blocks, mag, amax, s_enc, sr, gen)
             codes = codes.reshape(rows, cols)
             if rowwise:
@@ -207,7 +285,7 @@ class NVFP4Quantizer:
             else:
                 blocks, mag, amax = _tiles(matrix.t(), 1)
                 if s_enc is None:
-                    s_enc = _global_encode_scale(amax)
+                    s_enc = _global_encode_scale(mag)
                 codes_t, scale_inv_t = _encode(blocks, mag, amax, s_enc, sr, gen)
                 data_t = _pack(codes_t.reshape(cols, rows))
 

@@ -34,6 +34,7 @@ namespace {
 constexpr int64_t kBlock = 16;
 constexpr float kE2M1Max = 6.0f;
 constexpr float kE4M3Max = 448.0f;
+constexpr float kOneSixth = 1.0f / 6.0f;  // 1/6 rounded to FP32, as the reference's
 
 // What the tiles of one quantization share: the shape, the layouts asked, where the
 // draws, block amaxes and outputs are. `rows x cols` is the input viewed as [R, K].
@@ -72,9 +73,22 @@ FASTCAST_HOT void column_maxima(const T* __restrict row, int64_t cols,
   for (int64_t c = 0; c < cols; ++c) acc[c] = std::max(acc[c], magnitude(row[c]));
 }
 
+// The largest finite magnitude bits among the 16 elements of a block (one that holds a
+// NaN or an infinity: rare, so rescanned rather than tracked in the hot loop).
+template <typename T>
+uint32_t finite_block_max(const T* block) {
+  uint32_t m = 0;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    const uint32_t v = magnitude(block[j]);
+    if (v < kInfMagnitude<T>) m = std::max(m, v);
+  }
+  return m;
+}
+
 // The block amaxes of the 16-row strip `strip` (fewer rows only for the last strip of a
 // 1x16 row-wise layout), row by row so that the input streams in order; returns the
-// largest FP32 magnitude bits among them. `block_max`, `tile_max` and `col_max` are the
+// largest FP32 magnitude bits among its finite elements (the tensor amax leaves
+// non-finite elements out, as _global_encode_scale does). `block_max`, `tile_max` and `col_max` are the
 // task's scratch (K/16, K/16 and K entries).
 template <typename T>
 uint32_t strip_amaxes(const T* x, const Job& job, int64_t strip, uint32_t* block_max,
@@ -83,9 +97,14 @@ uint32_t strip_amaxes(const T* x, const Job& job, int64_t strip, uint32_t* block
   const int64_t cols = job.cols, blocks = cols / kBlock;
   std::fill(tile_max, tile_max + blocks, 0u);
   if (job.amax_t != nullptr) std::fill(col_max, col_max + cols, 0u);
+  uint32_t finite_max = 0;
   for (int64_t i = 0; i < n; ++i) {
     const T* row = x + (r0 + i) * cols;
     block_maxima(row, blocks, block_max);
+    for (int64_t cb = 0; cb < blocks; ++cb)
+      finite_max = std::max(finite_max, block_max[cb] < kInfMagnitude<T>
+                                            ? block_max[cb]
+                                            : finite_block_max(row + cb * kBlock));
     for (int64_t cb = 0; cb < blocks; ++cb) tile_max[cb] = std::max(tile_max[cb], block_max[cb]);
     if (!job.block_2d)
       for (int64_t cb = 0; cb < blocks; ++cb)
@@ -97,9 +116,7 @@ uint32_t strip_amaxes(const T* x, const Job& job, int64_t strip, uint32_t* block
       job.amax[strip * blocks + cb] = from_magnitude<T>(tile_max[cb]);
   if (job.amax_t != nullptr)  // 1x16 column-wise: each column of the strip is a block
     for (int64_t c = 0; c < cols; ++c) job.amax_t[strip * cols + c] = from_magnitude<T>(col_max[c]);
-  uint32_t strip_max = 0;
-  for (int64_t cb = 0; cb < blocks; ++cb) strip_max = std::max(strip_max, tile_max[cb]);
-  return magnitude(from_magnitude<T>(strip_max));
+  return magnitude(from_magnitude<T>(finite_max));
 }
 
 int64_t strip_count(int64_t rows) { return (rows + kBlock - 1) / kBlock; }
@@ -109,7 +126,7 @@ int64_t strip_grain(int64_t cols) {
   return std::max<int64_t>(1, kGrain / (kBlock * std::max<int64_t>(cols, 1)));
 }
 
-// Pass 1 over the whole input; returns the tensor amax (NaN if any element is NaN).
+// Pass 1 over the whole input; returns the tensor amax over the finite elements.
 template <typename T>
 float block_amaxes(const T* x, const Job& job) {
   const uint32_t m = at::parallel_reduce(
@@ -130,8 +147,8 @@ float block_amaxes(const T* x, const Job& job) {
 
 // ---- Scales ----------------------------------------------------------------------------
 
-// scale_from_amax(amax, 6 * 448): the tensor encode scale s_enc, 1.0 for an amax that is
-// 0, NaN or infinite, floored so it stays finite. Each step rounds to FP32 where torch does.
+// scale_from_amax(amax, 6 * 448): the tensor encode scale s_enc, 1.0 for an amax of 0,
+// floored so it stays finite. Each step rounds to FP32 where torch does.
 float encode_scale(float amax) {
   const float target = kE2M1Max * kE4M3Max;
   const float usable = std::isfinite(amax) ? amax : 0.0f;
@@ -153,27 +170,32 @@ inline float e4m3_value(uint8_t byte) {
   return code == 0x7Fu ? std::numeric_limits<float>::quiet_NaN() : value;
 }
 
-// The E4M3 byte of a block decode scale s_dec = amax_b / 6 * s_enc (scale_and_cast e4m3:
-// a non-finite amax gives NaN, a finite one saturates at 448).
-inline uint8_t decode_scale(float amax_b, float s_enc) {
-  const uint8_t byte = e4m3_byte(std::min((amax_b / kE2M1Max) * s_enc, kE4M3Max));
+// TransformerEngine's formulas, as the reference (module docstring): the block decode
+// scale amax_b * (s_enc * (1/6)) and the encode multiplier 1 / (s_dec * (1 / s_enc)).
+
+// The E4M3 byte of a block decode scale s_dec = amax_b * s_enc_6 with s_enc_6 = s_enc *
+// (1/6) (scale_and_cast e4m3: a non-finite amax gives NaN, a finite one saturates at 448).
+inline uint8_t decode_scale(float amax_b, float s_enc_6) {
+  const uint8_t byte = e4m3_byte(std::min(amax_b * s_enc_6, kE4M3Max));
   return is_inf_or_nan(amax_b) ? uint8_t{0x7F} : byte;
 }
 
-// The per-block encode multiplier s_enc / s_dec from the stored E4M3 s_dec, clamped to the
-// FP32 max; 0 for a zero s_dec (the block encodes as zeros), NaN for a NaN one.
-inline float encode_multiplier(uint8_t s_dec_byte, float s_enc) {
+// The per-block encode multiplier 1 / (s_dec * s_dec_global) from the stored E4M3 s_dec,
+// clamped to the FP32 max; 0 for a zero s_dec (the block encodes as zeros), NaN for a NaN
+// one.
+inline float encode_multiplier(uint8_t s_dec_byte, float s_dec_global) {
   const float s_dec = e4m3_value(s_dec_byte);
-  const float multiplier = std::min(s_enc / s_dec, FLT_MAX);  // NaN stays NaN
+  const float multiplier = std::min(1.0f / (s_dec * s_dec_global), FLT_MAX);  // NaN stays
   return s_dec == 0.0f ? 0.0f : multiplier;
 }
 
 // The scale bytes and encode multipliers of n blocks from their amaxes.
 FASTCAST_HOT void block_scales(const float* __restrict amax, int64_t n, float s_enc,
                                      uint8_t* __restrict s_dec, float* __restrict mult) {
+  const float s_enc_6 = s_enc * kOneSixth, s_dec_global = 1.0f / s_enc;
   for (int64_t b = 0; b < n; ++b) {
-    s_dec[b] = decode_scale(amax[b], s_enc);
-    mult[b] = encode_multiplier(s_dec[b], s_enc);
+    s_dec[b] = decode_scale(amax[b], s_enc_6);
+    mult[b] = encode_multiplier(s_dec[b], s_dec_global);
   }
 }
 
