@@ -47,7 +47,7 @@ def forward_gemm(
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
-    device_type = x.device.type
+    device_type = "cpu" if x.is_cpu else x.device.type  # (no torch.device made per call)
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return x.dtype
