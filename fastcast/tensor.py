@@ -409,6 +409,16 @@ class NVFP4Tensor(QuantizedTensor):
     def _decode_scales(self, scales: torch.Tensor) -> torch.Tensor:
         return scales.float() * self.global_scale_inv.float()
 
+    def _dequantize_layout(
+        self, data: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]
+    ) -> torch.Tensor:
+        op = fused_op("dequantize_nvfp4", data)
+        global_scale_inv = self.global_scale_inv
+        if op is not None and global_scale_inv.dtype == torch.float32:  # one fused pass
+            rows, cols = self._rows_cols(data)
+            return op(data.reshape(rows, cols // 2), scales, global_scale_inv, block[0])
+        return super()._dequantize_layout(data, scales, block)
+
     # -- the column-wise layout's own tensor scale and transform ---------------------------
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.dtype

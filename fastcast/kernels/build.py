@@ -50,6 +50,7 @@ OPS = (
     "quantize_nvfp4",
     "scaled_mm_tensorwise",
     "dequantize_blocks",
+    "dequantize_nvfp4",
 )
 # -O3 vectorises the amax and cast loops (the other two let it if-convert float
 # comparisons; neither changes a value). No -march=native: a shared build directory

@@ -110,3 +110,10 @@ def _dequantize_blocks(
     data: torch.Tensor, scales: torch.Tensor, block_rows: int, block_cols: int
 ) -> torch.Tensor:
     return data.new_empty(data.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("fastcast_kernels::dequantize_nvfp4")
+def _dequantize_nvfp4(
+    data: torch.Tensor, scales: torch.Tensor, global_scale_inv: torch.Tensor, block_rows: int
+) -> torch.Tensor:
+    return data.new_empty((data.shape[0], data.shape[1] * 2), dtype=torch.float32)

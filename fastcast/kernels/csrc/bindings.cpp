@@ -62,4 +62,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   Bind<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptionalTensor&,
               at::ScalarType)>::on(m, "scaled_mm_tensorwise");
   Bind<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)>::on(m, "dequantize_blocks");
+  Bind<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t)>::on(m, "dequantize_nvfp4");
 }

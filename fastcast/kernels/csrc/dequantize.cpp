@@ -1,6 +1,6 @@
 // Block-scaled FP8 dequantization on the CPU: out[r, c] = float(data[r, c]) * scale of
 // the block holding (r, c), for every Float8 and MXFP8 layout (per tensor, per row,
-// 1x128, 128x128, 1x32).
+// 1x128, 128x128, 1x32); and NVFP4's (E2M1 codes, E4M3 block scales, FP32 tensor scale).
 //
 // The values are exactly those of the PyTorch reference (fastcast/tensor.py:
 // QuantizedTensor._dequantize_layout: widen, then multiply by the block's FP32 scale, one
@@ -93,14 +93,73 @@ at::Tensor dequantize_blocks(const at::Tensor& input, const at::Tensor& scales,
   return out;
 }
 
+// E2M1 code (4 bits: sign, then magnitude index) -> its value (tensor.py: E2M1_VALUES).
+constexpr std::array<float, 16> kE2M1 = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                         -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// NVFP4 dequantization: packed [R, K/2] bytes of two E2M1 codes (the first element in the
+// low nibble), E4M3 scales [R / block_rows, K / 16], FP32 tensor scale -> FP32 [R, K].
+// As the reference (NVFP4Tensor._decode_scales, then apply_scales): each block's scale is
+// float(e4m3) * global_scale_inv, rounded to FP32, and each value is code * that scale.
+at::Tensor dequantize_nvfp4(const at::Tensor& packed, const at::Tensor& scales,
+                            const at::Tensor& global_scale_inv, int64_t block_rows) {
+  TORCH_CHECK(packed.device().is_cpu() && scales.device().is_cpu() &&
+                  global_scale_inv.device().is_cpu(),
+              "fastcast::dequantize_nvfp4: CPU tensors only");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte,
+              "fastcast::dequantize_nvfp4: data must be 2-D uint8 (two E2M1 codes a byte)");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat8_e4m3fn,
+              "fastcast::dequantize_nvfp4: block scales must be float8_e4m3fn");
+  TORCH_CHECK(global_scale_inv.numel() == 1 && global_scale_inv.scalar_type() == at::kFloat,
+              "fastcast::dequantize_nvfp4: the tensor scale must be one FP32 value");
+  TORCH_CHECK(block_rows == 1 || block_rows == 16,
+              "fastcast::dequantize_nvfp4: blocks are 1x16 or 16x16, got block_rows=",
+              block_rows);
+  const at::Tensor data = packed.contiguous();
+  const int64_t rows = data.size(0), cols = data.size(1) * 2, blocks = cols / 16;
+  TORCH_CHECK(cols % 16 == 0 && rows % block_rows == 0 &&
+                  scales.numel() == (rows / block_rows) * blocks,
+              "fastcast::dequantize_nvfp4: ", scales.numel(), " scales for a ", rows, "x", cols,
+              " tensor in blocks of ", block_rows, "x16");
+  at::Tensor out = at::empty({rows, cols}, data.options().dtype(at::kFloat));
+  if (rows == 0 || cols == 0) return out;
+  const float global = *global_scale_inv.const_data_ptr<float>();
+  const at::Tensor grid = scales.contiguous();
+  const auto* scale_codes = reinterpret_cast<const uint8_t*>(grid.const_data_ptr());
+  const auto& e4m3 = fp8_values(at::kFloat8_e4m3fn);
+  const uint8_t* src = data.const_data_ptr<uint8_t>();
+  float* dst = out.mutable_data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / cols);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* row_scales = scale_codes + (r / block_rows) * blocks;
+      const uint8_t* bytes = src + r * (cols / 2);
+      float* values = dst + r * cols;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float s = e4m3[row_scales[b]] * global;
+        for (int64_t i = 0; i < 8; ++i) {
+          const uint8_t byte = bytes[b * 8 + i];
+          values[b * 16 + 2 * i] = kE2M1[byte & 0x0F] * s;
+          values[b * 16 + 2 * i + 1] = kE2M1[byte >> 4] * s;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fastcast_kernels, m) {
   m.def("dequantize_blocks(Tensor data, Tensor scales, int block_rows, int block_cols) -> Tensor");
+  m.def(
+      "dequantize_nvfp4(Tensor data, Tensor scales, Tensor global_scale_inv, int block_rows) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastcast_kernels, CPU, m) {
   m.impl("dequantize_blocks", &dequantize_blocks);
+  m.impl("dequantize_nvfp4", &dequantize_nvfp4);
 }
 
 }  // namespace fastcast
