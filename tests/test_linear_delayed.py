@@ -622,3 +622,25 @@ def test_scales_stay_fp32_when_parameters_change_dtype():
     assert lin._metas[0].scale.dtype == torch.float32
     assert torch.equal(lin._metas[0].scale, scale)
     assert math.isfinite(lin._metas[1].scale.item())
+
+
+def test_backward_watch_hooks_a_weight_once_and_forgets_it_when_it_dies(monkeypatch):
+    """The gradient hook compiled delayed scaling relies on (watch_backward): one per
+    live weight whatever the number of calls, and nothing kept for dead weights."""
+    import threading  # noqa: PLC0415
+
+    from fastcast.schemes.delayed import DelayedThreadState  # noqa: PLC0415
+
+    state = DelayedThreadState(threading.current_thread())
+    ends: list[int] = []
+    # Count the step ends the hooks queue.
+    monkeypatch.setattr(DelayedThreadState, "_backward_finished", lambda self: ends.append(1))
+    weight = torch.ones(3, requires_grad=True)
+    for _ in range(3):
+        state.watch_backward(weight)
+    (weight * 2).sum().backward()
+    assert ends == [1]  # one hook, one end of step for the pass
+    assert len(state.watched) == 1
+    del weight
+    gc.collect()
+    assert len(state.watched) == 0

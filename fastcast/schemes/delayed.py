@@ -58,7 +58,8 @@ class DelayedThreadState:
         # Slabs that compiled code records into: a graph cannot mark them pending, so
         # every update of their direction includes them (see ``join_compiled``).
         self.compiled: set[Slab] = set()
-        self.watched: dict[int, weakref.ref] = {}  # id -> the tensor, see watch_backward
+        # id -> the tensor, see watch_backward; an entry goes when its tensor dies.
+        self.watched: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self.thread = thread  # the thread whose ThreadState holds this
         # The backward pass whose end is already queued, and the groups it ran under.
         self.backward_task: int | None = None
@@ -148,10 +149,9 @@ class DelayedThreadState:
         (columns without a recorded amax keep their history and scale).
         """
         # By identity (tensors compare element-wise, so no set of them).
-        ref = self.watched.get(id(tensor))
-        if ref is None or ref() is not tensor:
+        if self.watched.get(id(tensor)) is not tensor:
             tensor.register_hook(self._gradient_seen)
-            self.watched[id(tensor)] = weakref.ref(tensor)
+            self.watched[id(tensor)] = tensor
 
     def _gradient_seen(self, grad: torch.Tensor) -> None:
         self.backward_ran(None)
