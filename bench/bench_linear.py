@@ -39,7 +39,7 @@ TARGETS = [
         GROUP,
         "test_fc_linear_current",
         "test_nn_linear",
-        2.0,
+        2.5,
         "fc.Linear fwd+bwd (current scaling) / nn.Linear",
     ),
     (
