@@ -10,8 +10,13 @@
 // see exactly what torch.ops would have shown them. The GIL is released during the call
 // as torch.ops does (the dispatcher takes it back where a Python kernel runs).
 
+// The dispatcher and pybind11 with torch's type casters (at::Tensor, ScalarType,
+// optionals), not torch/extension.h: that pulls in the whole C++ frontend, which made
+// this file take ~40 s of the first-use build on two cores.
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <optional>
 #include <string>
