@@ -62,6 +62,21 @@ def has_kernel(device_type: str, family: str) -> bool:
 
 
 @functools.cache
+def cuda_rowwise_output(dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm`` writes a per-row scaled FP8 product in ``dtype`` on
+    this CUDA device. CUTLASS's row-wise kernel (sm89, sm90, sm100), which torch runs
+    unless cuBLAS can, writes bfloat16 only; cuBLAS 12.9+ on sm90 writes any float
+    (``aten/src/ATen/native/cuda/ScaledBlas.cpp``). Other products are emulated."""
+    cap = cuda_capability()
+    if cap is None or cap < CUDA_FP8_CAPABILITY:
+        return False
+    if dtype == torch.bfloat16:
+        return True
+    version = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+    return cap[0] == 9 and version >= (12, 9)
+
+
+@functools.cache
 def _backend(device_type: str, family: str, mode: str) -> tuple[str | None, str]:
     if mode == "emulate":
         return "emulate", "emulated (FASTCAST_GEMM=emulate)"
@@ -122,7 +137,7 @@ def on_refresh(hook: Callable[[], None]) -> Callable[[], None]:
 
 def refresh() -> None:
     """Forget every cached answer, so that a changed FASTCAST_GEMM takes effect."""
-    for fn in (gemm_mode, cuda_capability, _backend):
+    for fn in (gemm_mode, cuda_capability, cuda_rowwise_output, _backend):
         fn.cache_clear()
     for hook in _refresh_hooks:
         hook()
@@ -136,6 +151,11 @@ def _available(family: str) -> tuple[bool, str]:
 def fp8_available() -> tuple[bool, str]:
     """Per-tensor FP8 (delayed and current scaling): ``(available, reason)``."""
     return _available(TENSORWISE)
+
+
+def fp8_rowwise_available() -> tuple[bool, str]:
+    """Per-row scaled FP8 (``Float8RowwiseScaling``): ``(available, reason)``."""
+    return _available(ROWWISE)
 
 
 def fp8_block_scaling_available() -> tuple[bool, str]:
