@@ -66,7 +66,18 @@ from torch import nn
 
 import fastcast as fc
 
-RECIPES = ("fp32", "bf16", "delayed", "current", "block", "mxfp8", "nvfp4", "torchao")
+RECIPES = (
+    "fp32",
+    "bf16",
+    "delayed",
+    "current",
+    "block",
+    "mxfp8",
+    "nvfp4",
+    "rowwise",
+    "rowwise_with_gw_hp",
+    "torchao",
+)
 # Under --compile these compile the model and enter fc.autocast in eager around it.
 COMPILED_MODEL = ("delayed",)
 DEFAULT_RECIPES = RECIPES[:-1]  # torchao runs when asked for, and in --compile runs
@@ -77,6 +88,9 @@ QUANTIZED: dict[str, Callable[[], fc.Recipe]] = {
     "block": fc.Float8BlockScaling,
     "mxfp8": fc.MXFP8BlockScaling,
     "nvfp4": fc.NVFP4BlockScaling,
+    # torchao's names for these two.
+    "rowwise": fc.Float8RowwiseScaling,
+    "rowwise_with_gw_hp": lambda: fc.Float8RowwiseScaling(wgrad_high_precision=True),
 }
 
 OUT_FEATURES = 32  # a multiple of every recipe's block, so that the head converts too

@@ -290,6 +290,18 @@ def test_recipe_defaults_are_torchaos_rowwise_and_roles_pick_formats():
     assert ok and fc.schemes.recipe_support(PLAIN) == (ok, reason)
 
 
+def test_cpu_emulates_per_row_gemms_unless_told_otherwise(gemm_mode):
+    """torch._scaled_mm's CPU kernel takes per-row scales but is slower than the
+    emulation: ``auto`` emulates them, ``FASTCAST_GEMM=hardware`` runs the kernel."""
+    from fastcast.hardware import gemm_backend
+
+    gemm_mode("auto")
+    assert gemm_backend("cpu", ROWWISE)[0] == "emulate"
+    assert gemm_backend("cpu", "tensorwise")[0] == "hardware"
+    gemm_mode("hardware")
+    assert gemm_backend("cpu", ROWWISE)[0] == "hardware"
+
+
 def test_same_codes_and_scales_as_torchao():
     """torchao's ``rowwise`` casts (axis-wise, power-of-2 scales, E4M3), where both
     define the same thing (finite rows, no zero row: torchao floors the amax at 1e-12)."""
@@ -373,7 +385,7 @@ RECIPES = {
 }
 
 
-@pytest.mark.parametrize("gemm_mode", ["auto", "emulate"], indirect=True)
+@pytest.mark.parametrize("gemm_mode", ["hardware", "emulate"], indirect=True)
 @pytest.mark.parametrize("x_shape", [(48, 64), (3, 17, 64)], ids=["2d", "3d-odd-tokens"])
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_linear_matches_the_reference(name, x_shape, gemm_mode):
@@ -520,3 +532,36 @@ def test_stateless_checkpoint_round_trip(recipe):
     x = torch.randn(8, 64)
     with torch.no_grad(), fc.autocast(recipe=recipe):
         assert torch.equal(fresh(x), lin(x))
+
+
+@pytest.mark.compile
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("gemm_mode", ["emulate"], indirect=True)
+def test_compiled_forward_and_backward_equal_eager_bit_for_bit(gemm_mode):
+    """The high-precision-wgrad recipe (per-row input and gradient, per-row and per-tensor
+    weight layouts, the unquantized wgrad) under torch.compile(fullgraph=True): output
+    and every gradient equal eager's bit for bit. Both emulate the FP8 GEMMs (on the CPU
+    compiled code always does), and nothing between the layers rounds (no bias, ReLU)."""
+    torch.manual_seed(29)
+    model = fc.convert(
+        nn.Sequential(nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 32, bias=False))
+    )
+    x = sample((48, 64), seed=30)
+    g = sample((48, 32), seed=31, spread=3)
+
+    def forward(model, x):
+        with fc.autocast(recipe=HP):
+            return model(x)
+
+    def step(fn):
+        for p in model.parameters():
+            p.grad = None
+        x_in = x.clone().requires_grad_()
+        y = fn(model, x_in)
+        y.backward(g)
+        return [y.detach(), x_in.grad] + [p.grad for p in model.parameters()]
+
+    eager = step(forward)
+    compiled = step(torch.compile(forward, fullgraph=True))
+    for got, want in zip(compiled, eager):
+        assert got.dtype == want.dtype and torch.equal(got, want)
