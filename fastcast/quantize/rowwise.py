@@ -38,9 +38,11 @@ def row_amax(m: torch.Tensor, dim: int) -> torch.Tensor:
         shape = [1, 1]
         shape[1 - dim] = m.shape[1 - dim]
         return torch.zeros(shape, dtype=torch.float32, device=m.device)
-    # abs + amax (both exact, amax propagates NaN): on the CPU (torch 2.13) 20x faster
-    # than vector_norm(ord=inf) along a dim.
-    return m.abs().amax(dim=dim, keepdim=True).float()
+    # max(max, -min): two reductions that propagate NaN, and no |m| temporary (on the
+    # CPU, torch 2.13, a fresh [R, K] buffer costs more than the passes; vector_norm
+    # with ord=inf along a dim is 20x slower still).
+    top = m.amax(dim=dim, keepdim=True).float()
+    return torch.maximum(top, m.amin(dim=dim, keepdim=True).float().neg_())
 
 
 @dataclasses.dataclass(frozen=True)
