@@ -143,7 +143,7 @@ def _scaled_mm_hardware(
         and (out_dtype != torch.float32 or a2.is_cpu)
     )
     direct = accumulate is None and (bias is None or fuse_bias)
-    if b.block == (1, 0) and a2.device.type == "cuda":
+    if b.block == (1, 0) and a2.is_cuda:
         # Per-row scales on CUDA: CUTLASS's kernel needs an E4M3 b and writes bf16 only
         # (cuBLAS on sm90 any dtype); other products are emulated, to FP32 rounding.
         dtype = out_dtype if direct else torch.float32
