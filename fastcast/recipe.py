@@ -233,7 +233,7 @@ class Float8RowwiseScaling(Recipe):
     unquantized ``g`` and ``x`` (torchao's ``rowwise_with_gw_hp``): a more accurate weight
     gradient, at the cost of keeping ``x`` itself (not an FP8 copy) for backward: 2 bytes
     per element in bf16 instead of 1, 4 in FP32. As in torchao, W is then scaled per
-    tensor for dgrad, so every tensor needs only one row-wise pass along its last dim.
+    tensor for dgrad, so no tensor needs scales along its first dim.
 
     ``fp8_format``: E4M3 for every operand, as torchao, or HYBRID (E5M2 gradients).
     Rows are scaled from the local shard's elements: no amax is reduced across ranks.

@@ -19,7 +19,7 @@ class RowwiseScalingScheme(Scheme):
     ``wgrad_high_precision`` (torchao's ``rowwise_with_gw_hp``), whose wgrad GEMM takes
     the unquantized gradient and input. Rows are scaled locally: the autocast's group
     reduces nothing. Layers need the default alignment (16, the tensor cores' GEMM dims);
-    any token count works (a row's scale depends on that row alone)."""
+    any token count works (no block runs along the tokens)."""
 
     family = ROWWISE
 
