@@ -37,6 +37,8 @@ TARGETS = [
         ("test_mxfp8_both", "MXFP8, both layouts", 2.5),
         ("test_nvfp4", "NVFP4 1x16", 2.5),
         ("test_nvfp4_16x16", "NVFP4 16x16", 2.5),
+        ("test_rowwise", "row-wise (no fused kernel yet)", 2.5),
+        ("test_rowwise_both", "row-wise, both layouts (no fused kernel yet)", 2.5),
     )
 ]
 
@@ -114,3 +116,11 @@ def test_nvfp4(benchmark, x):
 
 def test_nvfp4_16x16(benchmark, x):
     _run(benchmark, _rowwise(NVFP4Quantizer(block_2d=True)), x)
+
+
+def test_rowwise(benchmark, x):
+    _run(benchmark, _rowwise(_quantizer("fastcast.quantize.rowwise", "RowwiseQuantizer")), x)
+
+
+def test_rowwise_both(benchmark, x):
+    _run(benchmark, _both(_quantizer("fastcast.quantize.rowwise", "RowwiseQuantizer")), x)

@@ -7,6 +7,7 @@ from .gemm import scaled_mm
 from .hardware import (
     fp8_available,
     fp8_block_scaling_available,
+    fp8_rowwise_available,
     mxfp8_available,
     nvfp4_available,
 )
@@ -16,6 +17,7 @@ from .recipe import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
+    Float8RowwiseScaling,
     Format,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
@@ -35,6 +37,7 @@ __all__ = [
     "DelayedScaling",
     "Float8BlockScaling",
     "Float8CurrentScaling",
+    "Float8RowwiseScaling",
     "Format",
     "Linear",
     "MXFP8BlockScaling",
@@ -48,6 +51,7 @@ __all__ = [
     "convert",
     "fp8_available",
     "fp8_block_scaling_available",
+    "fp8_rowwise_available",
     "get_autocast_recipe",
     "is_autocast_enabled",
     "keep_high_precision",

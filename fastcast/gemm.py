@@ -143,6 +143,12 @@ def _scaled_mm_hardware(
         and (out_dtype != torch.float32 or a2.is_cpu)
     )
     direct = accumulate is None and (bias is None or fuse_bias)
+    if b.block == (1, 0) and a2.is_cuda:
+        # Per-row scales on CUDA: CUTLASS's kernel needs an E4M3 b and writes bf16 only
+        # (cuBLAS on sm90 any dtype); other products are emulated, to FP32 rounding.
+        dtype = out_dtype if direct else torch.float32
+        if b.fmt != "e4m3" or not hardware.cuda_rowwise_output(dtype):
+            return _scaled_mm_emulated(a, b, out_dtype, bias, accumulate)
     per_tensor = a.block == b.block == WHOLE
     fused = fused_op("scaled_mm_tensorwise", a2) if per_tensor else None
     if fused is not None:  # the same values, without the CPU kernel's separate passes

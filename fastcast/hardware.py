@@ -6,7 +6,8 @@ The GEMM backend for each scaling family is one of:
 - ``emulate``: dequantize to FP32 and matmul, exact to FP32 rounding, on any device.
 
 ``FASTCAST_GEMM`` (``auto`` | ``hardware`` | ``emulate``) overrides the choice. Under
-``auto`` the CPU emulates what it has no kernel for; a CUDA device must have FP8 tensor
+``auto`` the CPU emulates what it has no kernel for, and per-row scaling (its kernel is
+slower than the emulation); a CUDA device must have FP8 tensor
 cores (compute capability 8.9+), and emulates, with a warning, the block-scaled families
 whose tensor-core path fastcast does not drive yet (1x128/128x128, MXFP8, NVFP4).
 """
@@ -30,6 +31,10 @@ CUDA_FP8_CAPABILITY = (8, 9)
 # block-scaled kernels need scale layouts (swizzles) that are not validated on hardware
 # here yet, so those families run emulated rather than risk silently wrong GEMMs.
 _KERNEL_FAMILIES = (TENSORWISE, ROWWISE)
+# Families the CPU emulates under ``auto`` although torch._scaled_mm takes them there:
+# its per-row path is 2.4x slower than dequantize + matmul (256x512 @ 512x128, one
+# thread; 76 against 48 ms a step for ``python -m bench.train_step --recipes rowwise``).
+_CPU_EMULATES = (ROWWISE,)
 
 
 @functools.cache
@@ -62,10 +67,27 @@ def has_kernel(device_type: str, family: str) -> bool:
 
 
 @functools.cache
+def cuda_rowwise_output(dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm`` writes a per-row scaled FP8 product in ``dtype`` on
+    this CUDA device. CUTLASS's row-wise kernel (sm89, sm90, sm100), which torch runs
+    unless cuBLAS can, writes bfloat16 only; cuBLAS 12.9+ on sm90 writes any float
+    (``aten/src/ATen/native/cuda/ScaledBlas.cpp``). Other products are emulated."""
+    cap = cuda_capability()
+    if cap is None or cap < CUDA_FP8_CAPABILITY:
+        return False
+    if dtype == torch.bfloat16:
+        return True
+    version = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+    return cap[0] == 9 and version >= (12, 9)
+
+
+@functools.cache
 def _backend(device_type: str, family: str, mode: str) -> tuple[str | None, str]:
     if mode == "emulate":
         return "emulate", "emulated (FASTCAST_GEMM=emulate)"
     if has_kernel(device_type, family):
+        if mode == "auto" and device_type == "cpu" and family in _CPU_EMULATES:
+            return "emulate", "emulated on cpu (faster than torch._scaled_mm's CPU kernel)"
         return "hardware", f"torch._scaled_mm on {device_type}"
     if mode == "hardware":
         return None, (
@@ -122,7 +144,7 @@ def on_refresh(hook: Callable[[], None]) -> Callable[[], None]:
 
 def refresh() -> None:
     """Forget every cached answer, so that a changed FASTCAST_GEMM takes effect."""
-    for fn in (gemm_mode, cuda_capability, _backend):
+    for fn in (gemm_mode, cuda_capability, cuda_rowwise_output, _backend):
         fn.cache_clear()
     for hook in _refresh_hooks:
         hook()
@@ -136,6 +158,11 @@ def _available(family: str) -> tuple[bool, str]:
 def fp8_available() -> tuple[bool, str]:
     """Per-tensor FP8 (delayed and current scaling): ``(available, reason)``."""
     return _available(TENSORWISE)
+
+
+def fp8_rowwise_available() -> tuple[bool, str]:
+    """Per-row scaled FP8 (``Float8RowwiseScaling``): ``(available, reason)``."""
+    return _available(ROWWISE)
 
 
 def fp8_block_scaling_available() -> tuple[bool, str]:

@@ -213,6 +213,44 @@ class Float8CurrentScaling(Recipe):
 
 
 @_frozen
+class Float8RowwiseScaling(Recipe):
+    """One FP8 scale per row of each GEMM operand, along the dim the GEMM contracts.
+
+    torchao's ``rowwise`` recipe (``Float8LinearConfig.from_recipe_name("rowwise")``), and
+    with ``wgrad_high_precision=True`` its ``rowwise_with_gw_hp``. Each scale is
+    ``fmt_max / amax(row)`` from the tensor itself (no state), rounded down to a power of
+    two with ``use_power_2_scales`` (torchao's default: scaling is then exact and the
+    scale never grows a value). For a layer ``y = x @ W.T`` (x ``[M, K]`` tokens, W
+    ``[N, K]``):
+
+    - forward: x per token (along K), W per output feature (along K);
+    - dgrad ``dx = g @ W``: g per token (along N), W per input feature (along N);
+    - wgrad ``dW = g.T @ x``: g per output feature and x per input feature, both along
+      the tokens M (the transposed matrices, quantized on their own, not transposed
+      row scales).
+
+    ``wgrad_high_precision`` runs the wgrad GEMM in the forward's high precision on the
+    unquantized ``g`` and ``x`` (torchao's ``rowwise_with_gw_hp``): a more accurate weight
+    gradient, at the cost of keeping ``x`` itself (not an FP8 copy) for backward: 2 bytes
+    per element in bf16 instead of 1, 4 in FP32. As in torchao, W is then scaled per
+    tensor for dgrad, so no tensor needs scales along its first dim.
+
+    ``fp8_format``: E4M3 for every operand, as torchao, or HYBRID (E5M2 gradients).
+    Rows are scaled from the local shard's elements: no amax is reduced across ranks.
+    """
+
+    fp8_format: Format = Format.E4M3
+    use_power_2_scales: bool = True
+    wgrad_high_precision: bool = False
+
+    def _check(self) -> None:
+        name = "Float8RowwiseScaling"
+        _require_format(name, self.fp8_format, (Format.E4M3, Format.HYBRID))
+        _require_bool(name, "use_power_2_scales", self.use_power_2_scales)
+        _require_bool(name, "wgrad_high_precision", self.wgrad_high_precision)
+
+
+@_frozen
 class Float8BlockScaling(Recipe):
     """One scale per 1x128 tile (dim 1) or 128x128 tile (dim 2).
 

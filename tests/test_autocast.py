@@ -31,6 +31,7 @@ RECIPES = [
     fc.Float8BlockScaling(),
     fc.MXFP8BlockScaling(),
     fc.NVFP4BlockScaling(),
+    fc.Float8RowwiseScaling(),
     fc.CustomRecipe(quantizer_factory),
 ]
 
@@ -387,6 +388,7 @@ def test_fp8_available_functions_return_bool_and_reason():
     for fn in (
         fc.fp8_available,
         fc.fp8_block_scaling_available,
+        fc.fp8_rowwise_available,
         fc.mxfp8_available,
         fc.nvfp4_available,
     ):
@@ -401,6 +403,7 @@ def test_fp8_available_functions_return_bool_and_reason():
 def test_unsupported_recipe_raises_only_when_enabled(gemm_mode):
     gemm_mode("hardware")
     assert fc.fp8_available()[0] is True
+    assert fc.fp8_rowwise_available()[0] is True  # the CPU kernel takes per-row scales
     for available in (fc.mxfp8_available, fc.nvfp4_available, fc.fp8_block_scaling_available):
         ok, reason = available()
         assert ok is False and "FASTCAST_GEMM" in reason
@@ -449,6 +452,7 @@ def test_emulate_mode_runs_every_recipe(gemm_mode):
     for available in (
         fc.fp8_available,
         fc.fp8_block_scaling_available,
+        fc.fp8_rowwise_available,
         fc.mxfp8_available,
         fc.nvfp4_available,
     ):

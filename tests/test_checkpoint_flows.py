@@ -41,6 +41,8 @@ RECIPES = {
     "block": fc.Float8BlockScaling,
     "mxfp8": fc.MXFP8BlockScaling,
     "nvfp4": fc.NVFP4BlockScaling,
+    "rowwise": fc.Float8RowwiseScaling,
+    "rowwise-gw-hp": lambda: fc.Float8RowwiseScaling(wgrad_high_precision=True),
 }
 VOCAB = 128
 LR = 0.1

@@ -14,6 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import fastcast as fc
 from fastcast.quantize.block import BlockScalingQuantizer
 from fastcast.quantize.mx import MXFP8Quantizer
+from fastcast.quantize.rowwise import RowwiseQuantizer
 from fastcast.quantize.tensorwise import CurrentScalingQuantizer
 
 pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
@@ -119,6 +120,7 @@ def test_compiled_quantize_codes_bitwise():
         # Partial edge tiles: 1x128 along K; 128x128 along both dims (four regions).
         pytest.param(BlockScalingQuantizer(), (200, 300), id="block-partial-tiles"),
         pytest.param(BlockScalingQuantizer(block_dim=2), (200, 300), id="block-2d-partial"),
+        pytest.param(RowwiseQuantizer(), (72, 40), id="rowwise"),
     ],
 )
 def test_compiled_block_quantize_bitwise(quantizer, shape):

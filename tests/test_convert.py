@@ -383,6 +383,8 @@ CONVERGENCE = {
     "current": (fc.Float8CurrentScaling(), 0.05),
     "block": (fc.Float8BlockScaling(), 0.05),
     "mxfp8": (fc.MXFP8BlockScaling(), 0.05),
+    "rowwise": (fc.Float8RowwiseScaling(), 0.05),
+    "rowwise-gw-hp": (fc.Float8RowwiseScaling(wgrad_high_precision=True), 0.05),
     # Not required of FP4, measured to be within ~13% (Adam) here: a looser bound.
     "nvfp4": (fc.NVFP4BlockScaling(), 0.25),
 }

@@ -71,6 +71,30 @@ def test_backward_layouts_on_tensor_cores():
     torch.testing.assert_close(wgrad.double(), ref_w, rtol=1e-5, atol=1e-5 * ref_w.abs().max())
 
 
+@needs_fp8
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "recipe", [fc.Float8RowwiseScaling(), fc.Float8RowwiseScaling(fp8_format=fc.Format.HYBRID)]
+)
+def test_per_row_gemms_on_tensor_cores(recipe, out_dtype):
+    """Forward, dgrad and wgrad operands with per-row scales: torch._scaled_mm's row-wise
+    kernel where it writes ``out_dtype`` (bf16 always; FP32 with cuBLAS on sm90), the
+    emulation otherwise; both match the float64 reference."""
+    torch.manual_seed(3)
+    x = fc.quantize(torch.randn(96, 128, device="cuda"), recipe, "input", columnwise=True)
+    w = fc.quantize(torch.randn(64, 128, device="cuda"), recipe, "weight", columnwise=True)
+    g = fc.quantize(torch.randn(96, 64, device="cuda"), recipe, "grad_output", columnwise=True)
+    tol = 2.0**-7 if out_dtype == torch.bfloat16 else 1e-5
+    for a, b in ((x, w), (g, w.t()), (g.columnwise_operand(), x.columnwise_operand())):
+        ref = _reference(a, b)
+        for backend in ("hardware", "emulate"):
+            out = fc.scaled_mm(a, b, out_dtype=out_dtype, backend=backend)
+            assert out.dtype == out_dtype
+            torch.testing.assert_close(
+                out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item()
+            )
+
+
 @pytest.mark.parametrize(
     "recipe",
     [
@@ -79,8 +103,10 @@ def test_backward_layouts_on_tensor_cores():
         fc.Float8BlockScaling(),
         fc.MXFP8BlockScaling(),
         fc.NVFP4BlockScaling(),
+        fc.Float8RowwiseScaling(),
+        fc.Float8RowwiseScaling(wgrad_high_precision=True),
     ],
-    ids=lambda r: type(r).__name__,
+    ids=lambda r: type(r).__name__ + ("-gw-hp" if getattr(r, "wgrad_high_precision", 0) else ""),
 )
 def test_linear_trains_on_the_device(recipe):
     ok, reason = recipe_support(recipe, "cuda")

@@ -42,8 +42,13 @@ STATELESS = {
     "nvfp4-no-rht": fc.NVFP4BlockScaling(
         stochastic_rounding=False, random_hadamard_transform=False
     ),
+    "rowwise": fc.Float8RowwiseScaling(),
+    "rowwise-hybrid-f32": fc.Float8RowwiseScaling(fp8_format=HYBRID, use_power_2_scales=False),
+    "rowwise-gw-hp": fc.Float8RowwiseScaling(wgrad_high_precision=True),
 }
 ALL_RECIPES = {**STATELESS, "delayed": fc.DelayedScaling()}
+# Recipes whose weight gradient is computed from the unquantized gradient and input.
+HP_WGRAD = ("rowwise-gw-hp",)
 
 # [M.., K] input shapes; out_features is 96 so that no GEMM is square.
 X_SHAPES = [(64, 64), (2, 32, 160)]
@@ -93,6 +98,8 @@ def fp64_reference(x, weight, bias, grad_out, recipe):
     g_t = wgrad_operand(fc.quantize(g2d, recipe, "grad_output", columnwise=True))  # [N, M]
     x_t = wgrad_operand(fc.quantize(x2d, recipe, "input", columnwise=True))  # [K, M]
     dw = g_t @ x_t.T  # [N, K]
+    if getattr(recipe, "wgrad_high_precision", False):  # the unquantized operands
+        dw = g2d.double().T @ x2d.double()
     db = g2d.double().sum(0)
     lead = x.shape[:-1]
     return out.reshape(*lead, -1), dx.reshape(x.shape), dw, db
@@ -292,7 +299,7 @@ def test_per_tensor_gemm_paths_both_match_the_reference(recipe, gemm_mode):
 
 
 @pytest.mark.parametrize("which", ["input-only", "weight-only"])
-@_pick(["current-hybrid", "block-default", "mxfp8", "nvfp4"])
+@_pick(["current-hybrid", "block-default", "mxfp8", "nvfp4", "rowwise", "rowwise-gw-hp"])
 def test_partial_requires_grad(recipe, which):
     lin, _ = make_pair(64, OUT, seed=13)
     torch.manual_seed(14)
@@ -314,7 +321,7 @@ def test_partial_requires_grad(recipe, which):
         assert_close_to(lin.bias.grad, db)
 
 
-@_pick(["current-hybrid", "delayed", "block-default", "mxfp8", "nvfp4"])
+@_pick(["current-hybrid", "delayed", "block-default", "mxfp8", "nvfp4", "rowwise-gw-hp"])
 def test_only_bias_requires_grad(recipe):
     lin, _ = make_pair(64, 32, seed=15)
     lin.weight.requires_grad_(False)
@@ -392,6 +399,8 @@ LOOSE = {
     "mxfp8": (E4M3_BOUND, E4M3_BOUND),
     "mxfp8-hybrid": (E4M3_BOUND, E5M2_BOUND),
     "nvfp4": (NVFP4_BOUND, NVFP4_BOUND),
+    "rowwise": (E4M3_BOUND, E4M3_BOUND),
+    "rowwise-hybrid-f32": (E4M3_BOUND, E5M2_BOUND),
 }
 
 
@@ -477,7 +486,7 @@ def test_dtype_rules_are_nn_linears(x_dtype, w_dtype, b_dtype, autocast_dtype):
                 assert lin(x).dtype == expected
 
 
-@_pick(["current-hybrid", "delayed", "block-default", "mxfp8", "nvfp4"])
+@_pick(["current-hybrid", "delayed", "block-default", "mxfp8", "nvfp4", "rowwise-gw-hp"])
 def test_torch_autocast_outside_gives_its_dtype(recipe):
     lin, ref = make_pair(64, 32, seed=25)
     x = torch.randn(64, 64, requires_grad=True)
@@ -491,7 +500,7 @@ def test_torch_autocast_outside_gives_its_dtype(recipe):
     assert rel_err(y, y_ref) < E4M3_BOUND or isinstance(recipe, fc.NVFP4BlockScaling)
 
 
-@_pick(["current-hybrid", "block-default", "mxfp8", "nvfp4"])
+@_pick(["current-hybrid", "block-default", "mxfp8", "nvfp4", "rowwise"])
 def test_torch_autocast_outside_keeps_fp32_gemm_precision(recipe):
     lin, _ = make_pair(64, 32, seed=25)
     x = torch.randn(64, 64)
@@ -668,7 +677,7 @@ def test_no_padding_where_the_block_fits_or_no_weight_gradient_is_needed(recipe)
     assert x_odd.grad.shape == x_odd.shape
 
 
-@_pick(["current-hybrid", "delayed", "block-default", "mxfp8", "nvfp4"])
+@_pick(["current-hybrid", "delayed", "block-default", "mxfp8", "nvfp4", "rowwise-gw-hp"])
 def test_empty_batch(recipe):
     lin, ref = make_pair(64, 32, seed=27)
     x = torch.randn(0, 64, requires_grad=True)
@@ -701,7 +710,7 @@ LOW_BYTES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-@_pick(ALL_RECIPES)
+@_pick([name for name in ALL_RECIPES if name not in HP_WGRAD])  # (test_rowwise has those)
 def test_backward_keeps_only_quantized_operands(recipe, x_dtype):
     lin, ref = make_pair(256, 128, seed=28)
     x = torch.randn(2, 64, 256, dtype=x_dtype, requires_grad=True)

@@ -34,6 +34,7 @@ from fastcast.quantize import (
     DelayedScalingQuantizer,
     MXFP8Quantizer,
     NVFP4Quantizer,
+    RowwiseQuantizer,
 )
 
 FMTS = ["e4m3", "e5m2"]
@@ -57,6 +58,8 @@ FACTORIES = {
     "block128x128": lambda fmt: BlockScalingQuantizer(fmt=fmt, block_dim=2),
     "mxfp8-rceil": lambda fmt: MXFP8Quantizer(fmt=fmt, scale_rule="rceil"),
     "mxfp8-ocp": lambda fmt: MXFP8Quantizer(fmt=fmt, scale_rule="ocp"),
+    "rowwise": lambda fmt: RowwiseQuantizer(fmt=fmt),
+    "rowwise-t-per-tensor": lambda fmt: RowwiseQuantizer(fmt=fmt, columnwise_per_tensor=True),
 }
 NVFP4 = {
     "nvfp4-1x16": lambda: NVFP4Quantizer(),
@@ -300,6 +303,14 @@ def test_property_non_finite_stays_non_finite(
         finite = x.isfinite()
         got = layout_data(q, layout).view(torch.uint8)[finite]
         assert torch.equal(got, layout_data(ref, layout).view(torch.uint8)[finite])
+    if family == "rowwise":
+        # A row of the layout without a non-finite value is quantized as without them.
+        replaced = torch.where(x.isfinite(), x, torch.zeros((), dtype=dtype))
+        ref = quantize(FACTORIES[family](fmt), replaced, layout)
+        along = 1 if layout == "rowwise" else 0  # the dim each scale runs along
+        clean_rows = x.isfinite().all(dim=along, keepdim=True).expand_as(x)
+        got = layout_data(q, layout).view(torch.uint8)[clean_rows]
+        assert torch.equal(got, layout_data(ref, layout).view(torch.uint8)[clean_rows])
 
 
 # -- end to end: torch.amp.GradScaler sees the overflow ----------------------------------------
@@ -310,6 +321,8 @@ RECIPES = {
     "block": fc.Float8BlockScaling,
     "mxfp8": fc.MXFP8BlockScaling,
     "nvfp4": fc.NVFP4BlockScaling,
+    "rowwise": fc.Float8RowwiseScaling,
+    "rowwise-gw-hp": lambda: fc.Float8RowwiseScaling(wgrad_high_precision=True),
 }
 
 

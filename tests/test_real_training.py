@@ -92,6 +92,7 @@ RECIPES = {
     "delayed": lambda: fc.DelayedScaling(amax_history_len=4),
     "current": fc.Float8CurrentScaling,
     "mxfp8": fc.MXFP8BlockScaling,
+    "rowwise-gw-hp": lambda: fc.Float8RowwiseScaling(wgrad_high_precision=True),
 }
 
 

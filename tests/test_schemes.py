@@ -67,24 +67,35 @@ def test_every_builtin_recipe_has_its_scheme():
         fc.Float8BlockScaling(),
         fc.MXFP8BlockScaling(),
         fc.NVFP4BlockScaling(),
+        fc.Float8RowwiseScaling(),
         fc.CustomRecipe(lambda role: None),
     ]
     schemes = [scheme_for(r) for r in recipes]
     assert len({type(s) for s in schemes}) == len(recipes)
-    assert [s.alignment(r) for s, r in zip(schemes, recipes)] == [16, 16, 16, 32, 16, 16]
+    assert [s.alignment(r) for s, r in zip(schemes, recipes)] == [16, 16, 16, 32, 16, 16, 16]
     # Token counts: only the column-wise MX and NVFP4 blocks run along them.
-    assert [s.row_alignment(r) for s, r in zip(schemes, recipes)] == [1, 1, 1, 32, 16, 1]
+    assert [s.row_alignment(r) for s, r in zip(schemes, recipes)] == [1, 1, 1, 32, 16, 1, 1]
+    # Only rowwise_with_gw_hp's weight gradient takes unquantized operands.
+    hp = fc.Float8RowwiseScaling(wgrad_high_precision=True)
+    assert [s.wgrad_high_precision(r) for s, r in zip(schemes, recipes)] == [False] * 7
+    assert scheme_for(hp).wgrad_high_precision(hp) is True
 
 
 @pytest.mark.parametrize(
     "recipe, rows",
-    [(fc.Float8CurrentScaling(), 1), (fc.MXFP8BlockScaling(), 32), (fc.NVFP4BlockScaling(), 16)],
+    [
+        (fc.Float8CurrentScaling(), 1),
+        (fc.MXFP8BlockScaling(), 32),
+        (fc.NVFP4BlockScaling(), 16),
+        (fc.Float8RowwiseScaling(wgrad_high_precision=True), 1),
+    ],
 )
 def test_plan_carries_the_row_alignment_of_its_scheme(recipe, rows):
     lin = fc.Linear(64, 32)
     with fc.autocast(recipe=recipe):
         lin(torch.randn(32, 64))
     assert lin._plan.row_alignment == rows
+    assert lin._plan.wgrad_high_precision is getattr(recipe, "wgrad_high_precision", False)
     assert StaticScheme().row_alignment(StaticScaling()) == 1  # the default
 
 

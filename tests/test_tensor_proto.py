@@ -14,6 +14,7 @@ RECIPES = {
     "block": fc.Float8BlockScaling(),
     "mxfp8": fc.MXFP8BlockScaling(),
     "nvfp4": fc.NVFP4BlockScaling(),
+    "rowwise": fc.Float8RowwiseScaling(),
 }
 
 

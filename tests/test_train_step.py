@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:  # `bench` is a top-level package of the repositor
 from bench import train_step  # noqa: E402
 
 SIZE = {"width": 64, "depth": 2, "batch": 64, "steps": 40, "lr": 3e-3, "seed": 0}
-FP8_RECIPES = ["delayed", "current", "block", "mxfp8"]
+FP8_RECIPES = ["delayed", "current", "block", "mxfp8", "rowwise", "rowwise_with_gw_hp"]
 CONVERTED = 2 * SIZE["depth"] + 1  # fc1 and fc2 per block, and the head
 
 

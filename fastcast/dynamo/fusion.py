@@ -22,7 +22,11 @@ from ..tensor import FP8_DTYPES
 # FASTCAST_GEMM, read when traced): run them at trace time and keep the answers as
 # constants, rather than trace into their lru_caches (which Dynamo warns about). This only
 # marks the functions; eager calls are unchanged.
-for _answer in (hardware.gemm_backend, hardware.default_device_type):
+for _answer in (
+    hardware.gemm_backend,
+    hardware.default_device_type,
+    hardware.cuda_rowwise_output,
+):
     assume_constant_result(_answer)
 
 

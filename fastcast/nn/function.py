@@ -71,13 +71,16 @@ class LinearFunction(torch.autograd.Function):
         first: bool | None,
     ) -> torch.Tensor:
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # A high-precision wgrad (the plan says) takes x itself: no FP8 x.T to make.
+        hp_wgrad = need_wgrad and call.wgrad_high_precision
+        fp8_wgrad = need_wgrad and not hp_wgrad
         out, x_q, w_q = forward_gemm(
-            x, weight, bias, call, weight_cache, first, need_dgrad, need_wgrad
+            x, weight, bias, call, weight_cache, first, need_dgrad, fp8_wgrad
         )
         # Backward contracts over the other dim of each operand: keep only the
         # column-wise layouts, in FP8, flattened to tensors so saved-tensor hooks see them.
         saved = [
-            x_q.columnwise_operand() if need_wgrad else None,
+            x_q.columnwise_operand() if fp8_wgrad else None,
             w_q.columnwise_operand() if need_dgrad else None,
         ]
         tensors, ctx.shells = _strip_tensors(saved)
@@ -85,6 +88,10 @@ class LinearFunction(torch.autograd.Function):
             # A traced autograd Function cannot save views of its intermediates (transposed
             # layouts often are): compiled code saves copies, which Inductor fuses.
             tensors = [t.clone(memory_format=torch.contiguous_format) for t in tensors]
+        # The high-precision wgrad's input goes last, and its GEMM's dtype: the forward's.
+        ctx.wgrad_dtype = _output_dtype(x) if hp_wgrad else None
+        if hp_wgrad:
+            tensors.append(x)
         ctx.save_for_backward(*tensors)
         ctx.call = call
         ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -94,25 +101,39 @@ class LinearFunction(torch.autograd.Function):
     @annotate("fastcast.Linear.backward")
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
-        x_t, w_t = _restore_tensors(ctx.saved_tensors, ctx.shells)
+        saved = ctx.saved_tensors  # (each access unpacks them again under hooks)
+        x_t, w_t = _restore_tensors(saved, ctx.shells)
         call = ctx.call
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         g2d = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
         dgrad = wgrad = bgrad = None
-        if need_dgrad or need_wgrad:
-            g_q = call.grad_q.quantize(g2d, rowwise=need_dgrad, columnwise=need_wgrad)
+        hp_dtype = ctx.wgrad_dtype
+        fp8_wgrad = need_wgrad and hp_dtype is None
+        if need_dgrad or fp8_wgrad:
+            g_q = call.grad_q.quantize(g2d, rowwise=need_dgrad, columnwise=fp8_wgrad)
         if need_dgrad:  # [M, N] @ [N, K]
             dgrad = scaled_mm(g_q, w_t, out_dtype=x_dtype)
             if len(x_shape) != 2:
                 dgrad = dgrad.reshape(x_shape)
-        if need_wgrad:  # [N, M] @ [M, K]
+        if fp8_wgrad:  # [N, M] @ [M, K]
             wgrad = scaled_mm(g_q.columnwise_operand(), x_t, out_dtype=w_dtype)
+        elif need_wgrad:
+            wgrad = _wgrad_high_precision(g2d, saved[-1], hp_dtype, w_dtype)
         if need_bgrad:
             bgrad = g2d.sum(dim=0, dtype=torch.float32)
             if b_dtype != torch.float32:
                 bgrad = bgrad.to(b_dtype)
         call.backward_done()
         return dgrad, wgrad, bgrad, None, None, None
+
+
+def _wgrad_high_precision(
+    g2d: torch.Tensor, x: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``g.T @ x`` in ``dtype`` (the forward's: the input's, or torch.autocast's), as
+    nn.Linear's backward computes it, returned in ``out_dtype`` (the weight's)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    return (g2d.to(dtype).t() @ x2d.to(dtype)).to(out_dtype)
 
 
 def _strip_tensors(

@@ -7,6 +7,7 @@ from .base import ROLES, Quantizer
 from .block import BlockScalingQuantizer
 from .mx import MXFP8Quantizer
 from .nvfp4 import NVFP4Quantizer
+from .rowwise import RowwiseQuantizer
 from .tensorwise import CurrentScalingQuantizer, DelayedScalingQuantizer, FixedScaleQuantizer
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "MXFP8Quantizer",
     "NVFP4Quantizer",
     "Quantizer",
+    "RowwiseQuantizer",
 ]

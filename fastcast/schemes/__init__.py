@@ -11,7 +11,7 @@ from ..hardware import cuda_capability, has_kernel, on_refresh
 from ..quantize.base import ROLES
 from ..recipe import DelayedScaling, MXFP8BlockScaling, Recipe
 from ..tensor import MXFP8, QuantizedTensor
-from . import block, current, custom, delayed, mx, nvfp4  # noqa: F401 - register the schemes
+from . import block, current, custom, delayed, mx, nvfp4, per_row  # noqa: F401 - register
 from .base import DEFAULT_ALIGNMENT, Plan, Scheme, recipe_support, register_scheme, scheme_for
 
 __all__ = [

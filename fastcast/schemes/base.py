@@ -31,7 +31,15 @@ class Plan:
     whose hooks do nothing. Stateful schemes subclass it.
     """
 
-    __slots__ = ("recipe", "group", "input_q", "weight_q", "grad_q", "row_alignment")
+    __slots__ = (
+        "recipe",
+        "group",
+        "input_q",
+        "weight_q",
+        "grad_q",
+        "row_alignment",
+        "wgrad_high_precision",
+    )
 
     # Per-call attributes a stateful call may set; a stateless plan never replays.
     replayed_weight: ClassVar[None] = None
@@ -42,12 +50,16 @@ class Plan:
         group: Any,
         quantizers: tuple[Quantizer, Quantizer, Quantizer],
         row_alignment: int = 1,
+        wgrad_high_precision: bool = False,
     ) -> None:
         self.recipe = recipe
         self.group = group
         self.input_q, self.weight_q, self.grad_q = quantizers
         # Scheme.row_alignment: what the module pads the input's token count to.
         self.row_alignment = row_alignment
+        # Scheme.wgrad_high_precision: the wgrad GEMM takes the unquantized gradient and
+        # input (the input quantizer then makes no column-wise layout).
+        self.wgrad_high_precision = wgrad_high_precision
 
     def matches(self, frame: AutocastFrame) -> bool:
         """Whether this plan is still the one for ``frame`` (in this thread)."""
@@ -95,6 +107,12 @@ class Scheme:
         layouts; ``fc.Linear`` pads the input with zero rows up to it. 1: any count."""
         return 1
 
+    def wgrad_high_precision(self, recipe: Recipe) -> bool:
+        """Whether the weight-gradient GEMM runs in the forward's high precision, on the
+        unquantized output gradient and input (which backward then keeps), rather than on
+        their column-wise quantized layouts."""
+        return False
+
     def quantizer(self, recipe: Recipe, role: str, group: Any = None) -> Quantizer:
         """The quantizer for ``role`` (input, weight or grad_output); ``group`` reduces
         activation and gradient amaxes over ranks where the scheme needs it."""
@@ -117,7 +135,13 @@ class Scheme:
         direction, and refuses to save anything else rather than drop it)."""
         recipe = frame.recipe
         quantizers = self.quantizers(recipe, frame.group)
-        return Plan(recipe, frame.group, quantizers, self.row_alignment(recipe))
+        return Plan(
+            recipe,
+            frame.group,
+            quantizers,
+            self.row_alignment(recipe),
+            self.wgrad_high_precision(recipe),
+        )
 
     def support(self, device_type: str) -> tuple[bool, str]:
         """Whether recipes of this scheme can run on ``device_type``, and how (or why not)."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.autograd import Variable
@@ -209,6 +209,8 @@ class DelayedCall:
     after the autocast has exited and the scales have moved on)."""
 
     __slots__ = ("plan", "input_q", "weight_q", "grad_q", "records", "record", "replayed_weight")
+
+    wgrad_high_precision: ClassVar[bool] = False  # every GEMM takes FP8 operands
 
     def __init__(self, plan: DelayedPlan, replay: Any = None, record: Any = None) -> None:
         self.plan = plan
