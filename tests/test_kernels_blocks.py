@@ -180,6 +180,9 @@ def test_fake_impls_match_shapes(block_op, mx_op):
     torch.library.opcheck(blocks, (x, 1, torch.float8_e4m3fn, True, 0.0))
     torch.library.opcheck(blocks, (x, 128, torch.float8_e5m2, False, 1e-6))
     torch.library.opcheck(mx, (x[:, :192], torch.float8_e4m3fn, True))
+    rows = choice.registered_op("quantize_rows")
+    for columns in (False, True):
+        torch.library.opcheck(rows, (x, torch.float8_e5m2, True, columns))
 
 
 def test_bad_arguments_are_refused(block_op, mx_op):

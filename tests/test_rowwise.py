@@ -23,10 +23,25 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fastcast as fc
+from fastcast.kernels import choice
 from fastcast.quantize import RowwiseQuantizer
 from fastcast.tensor import ROWWISE, Float8Tensor
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(params=["fused", "reference"])
+def kernels(request, monkeypatch):
+    """Each quantization test runs the fused C++ operator and the PyTorch reference
+    (``FASTCAST_KERNELS``); both must meet the definition."""
+    if request.param == "fused" and choice.fused_op("quantize_rows", torch.empty(1)) is None:
+        pytest.skip("the fused kernels are not available here")
+    monkeypatch.setenv("FASTCAST_KERNELS", "auto" if request.param == "fused" else "reference")
+    choice.refresh()
+    yield request.param
+    monkeypatch.undo()
+    choice.refresh()
+
 
 FMTS = ["e4m3", "e5m2"]
 HYBRID = fc.Format.HYBRID
@@ -134,7 +149,7 @@ def test_reference_scale_definition():
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("power_2", [True, False], ids=["pow2", "f32-scales"])
 @pytest.mark.parametrize("fmt", FMTS)
-def test_both_layouts_match_the_reference(case, power_2, fmt):
+def test_both_layouts_match_the_reference(case, power_2, fmt, kernels):
     x = CASES[case]()
     q = RowwiseQuantizer(fmt=fmt, power_2_scales=power_2).quantize(x, rowwise=True, columnwise=True)
     assert isinstance(q, Float8Tensor) and q.family == ROWWISE
@@ -174,7 +189,7 @@ def test_scales_really_are_per_row_along_the_contracted_dim():
 
 @pytest.mark.parametrize("rowwise", [True, False])
 @pytest.mark.parametrize("fmt", FMTS)
-def test_columnwise_per_tensor_has_one_scale_stored_per_row(fmt, rowwise):
+def test_columnwise_per_tensor_has_one_scale_stored_per_row(fmt, rowwise, kernels):
     """rowwise_with_gw_hp's weight for dgrad: one scale for the whole tensor."""
     x = sample((24, 48), seed=10)
     q = RowwiseQuantizer(fmt=fmt, columnwise_per_tensor=True).quantize(
@@ -194,7 +209,7 @@ def test_columnwise_per_tensor_has_one_scale_stored_per_row(fmt, rowwise):
 
 @pytest.mark.parametrize("power_2", [True, False])
 @pytest.mark.parametrize("fmt", FMTS)
-def test_non_finite_zero_and_tiny_rows(fmt, power_2):
+def test_non_finite_zero_and_tiny_rows(fmt, power_2, kernels):
     """A row holding NaN or +-inf, or only zeros, gets scale 1 (finite); its non-finite
     values stay non-finite; a row of FP32 subnormals gets the FP32 max (or 2**127); every
     other row is quantized as without those rows."""
@@ -225,7 +240,7 @@ def test_non_finite_zero_and_tiny_rows(fmt, power_2):
 
 
 @pytest.mark.parametrize("shape", [(0, 16), (16, 0), (0, 0), (2, 0, 8)])
-def test_empty_tensors(shape):
+def test_empty_tensors(shape, kernels):
     x = torch.randn(shape)
     q = RowwiseQuantizer().quantize(x, rowwise=True, columnwise=True)
     rows = math.prod(shape[:-1])

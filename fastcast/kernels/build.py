@@ -30,6 +30,7 @@ SOURCES = tuple(
     for name in (
         "tensorwise.cpp",
         "blocks.cpp",
+        "rows.cpp",
         "nvfp4.cpp",
         "gemm.cpp",
         "dequantize.cpp",
@@ -46,6 +47,7 @@ OPS = (
     "record_amax",
     "quantize_recording",
     "quantize_blocks",
+    "quantize_rows",
     "quantize_mxfp8",
     "quantize_nvfp4",
     "scaled_mm_tensorwise",

@@ -95,6 +95,15 @@ def _quantize_blocks(
     return m.new_empty((rows, cols), dtype=dtype), m.new_empty(scales, dtype=torch.float32)
 
 
+@torch.library.register_fake("fastcast_kernels::quantize_rows")
+def _quantize_rows(
+    m: torch.Tensor, dtype: torch.dtype, power_2: bool, columns: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = m.shape
+    scales = (1, cols) if columns else (rows, 1)
+    return m.new_empty((rows, cols), dtype=dtype), m.new_empty(scales, dtype=torch.float32)
+
+
 @torch.library.register_fake("fastcast_kernels::quantize_mxfp8")
 def _quantize_mxfp8(
     m: torch.Tensor, dtype: torch.dtype, ocp: bool

@@ -16,9 +16,10 @@ import dataclasses
 
 import torch
 
+from ..kernels import fused_op
 from ..profiling import annotate
 from ..recipe import ELEMENT_MAX
-from ..tensor import Float8Tensor
+from ..tensor import FP8_DTYPES, Float8Tensor
 from .base import (
     as_matrix,
     check_fp8_format,
@@ -85,15 +86,24 @@ class RowwiseQuantizer:
             raise ValueError(f"{type(self).__name__}: ask for rowwise and/or columnwise data")
         m = as_matrix(x)
         data = scale_inv = data_t = scale_inv_t = None
-        if rowwise:
+        op = fused_op("quantize_rows", m)
+        dtype, power_2 = FP8_DTYPES[self.fmt], self.power_2_scales
+        if rowwise and op is not None:  # amax and cast of each row while it is in cache
+            data, scale_inv = op(m, dtype, power_2, False)
+            data = data.reshape(x.shape)
+        elif rowwise:
             amax = row_amax(m, 1)  # [R, 1]
             scale = self._scale(amax)
             data = scale_and_cast(m, scale, self.fmt).reshape(x.shape)
             scale_inv = scale.reciprocal()
-        if columnwise:
+        if columnwise and op is not None and not self.columnwise_per_tensor:
+            codes, scale_inv_t = op(m, dtype, power_2, True)  # per column of m
+            data_t = codes.t()  # the CPU GEMM and the emulation take the view
+            scale_inv_t = scale_inv_t.reshape(-1, 1)
+        elif columnwise:
             if self.columnwise_per_tensor:
                 # The max of the row amaxes when there are any (NaN propagates).
-                whole = amax.max() if rowwise and m.shape[0] else tensor_amax(m)
+                whole = amax.max() if rowwise and op is None and m.shape[0] else tensor_amax(m)
                 scale_t = self._scale(whole).expand(1, m.shape[1])
             else:
                 scale_t = self._scale(row_amax(m, 0))  # [1, K]: per column of m

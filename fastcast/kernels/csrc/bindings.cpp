@@ -61,6 +61,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   Bind<Tensors2(const Tensor&, const Tensor&, const Tensor&, at::ScalarType)>::on(
       m, "quantize_recording");
   Bind<Tensors2(const Tensor&, int64_t, at::ScalarType, bool, double)>::on(m, "quantize_blocks");
+  Bind<Tensors2(const Tensor&, at::ScalarType, bool, bool)>::on(m, "quantize_rows");
   Bind<Tensors2(const Tensor&, at::ScalarType, bool)>::on(m, "quantize_mxfp8");
   Bind<Tensors5(const Tensor&, bool, bool, bool, bool, const OptionalTensor&,
                 const OptionalTensor&)>::on(m, "quantize_nvfp4");

@@ -177,6 +177,19 @@ FASTCAST_HOT void cast_span(const T* __restrict x, uint8_t* __restrict out, int6
   for (int64_t i = 0; i < n; ++i) out[i] = cast_one<F8>(widen(x[i]), scale, fmt_max);
 }
 
+// m[i] = max(m[i], magnitude(x[i])) over [0, n): one row's share of per-column maxima.
+template <typename T>
+FASTCAST_HOT void max_magnitude_each(const T* __restrict x, uint32_t* __restrict m, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) m[i] = std::max(m[i], magnitude(x[i]));
+}
+
+// out[i] = cast(x[i] * scale[i]) over [0, n): a row cast with a scale per column.
+template <typename T, typename F8>
+FASTCAST_HOT void cast_span_each(const T* __restrict x, uint8_t* __restrict out, int64_t n,
+                                 const float* __restrict scale, float fmt_max) {
+  for (int64_t i = 0; i < n; ++i) out[i] = cast_one<F8>(widen(x[i]), scale[i], fmt_max);
+}
+
 // cast_span and max_magnitude in one pass (delayed scaling: the scale is known, the
 // amax is recorded for later steps); returns the max magnitude bits.
 template <typename T, typename F8>
