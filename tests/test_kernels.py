@@ -372,6 +372,7 @@ def test_fused_dequantize_equals_reference(op, kernels_mode):
     non-finite codes included."""
     from fastcast.quantize.block import BlockScalingQuantizer
     from fastcast.quantize.mx import MXFP8Quantizer
+    from fastcast.quantize.rowwise import RowwiseQuantizer
 
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(200, 320, generator=gen) * 5
@@ -381,6 +382,7 @@ def test_fused_dequantize_equals_reference(op, kernels_mode):
         (BlockScalingQuantizer(), x),
         (BlockScalingQuantizer(block_dim=2, fmt="e5m2"), x[:, :300]),
         (MXFP8Quantizer(), x[:192]),
+        (RowwiseQuantizer(fmt="e5m2", power_2_scales=False), x),  # column-wise: a .t() view
     ]
 
     def layouts() -> list[torch.Tensor]:
@@ -397,6 +399,22 @@ def test_fused_dequantize_equals_reference(op, kernels_mode):
     for got, expected in zip(layouts(), want):
         assert got.shape == expected.shape
         assert torch.equal(got.view(torch.int32), expected.contiguous().view(torch.int32))
+
+
+@pytest.mark.parametrize("block", [(0, 0), (1, 0), (1, 128), (128, 128), (1, 32), (5, 7)])
+def test_fused_dequantize_reads_a_transposed_view_as_its_copy(op, block):
+    """A column-wise layout taken as the .t() view is read in place; the values are
+    those of its contiguous copy (partial tiles, non-finite codes included)."""
+    dequantize = choice.fused_op("dequantize_blocks", torch.empty(1))
+    gen = torch.Generator().manual_seed(2)
+    stored = torch.randint(0, 256, (300, 130), dtype=torch.uint8, generator=gen)
+    view = stored.view(torch.float8_e4m3fn).t()  # [130, 300], stride (1, 130)
+    rows, cols = view.shape
+    grid = [1 if b == 0 else -(-n // b) for b, n in zip(block, (rows, cols), strict=True)]
+    scales = torch.rand(grid, generator=gen) * 4
+    got = dequantize(view, scales, *block)
+    want = dequantize(view.contiguous(), scales, *block)
+    assert got.is_contiguous() and torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def test_fused_dequantize_decodes_every_e8m0_byte(op):

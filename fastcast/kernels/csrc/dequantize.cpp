@@ -45,6 +45,9 @@ at::Tensor fp32_scales(const at::Tensor& scales) {
   return out;
 }
 
+// Rows per task when reading a transposed layout.
+constexpr int64_t kStrip = 64;
+
 // A block extent as the reference reads it: 0 scales the whole dimension, n > 0 blocks
 // of n (the last one possibly partial).
 int64_t tile_extent(int64_t block, int64_t extent) {
@@ -61,7 +64,11 @@ at::Tensor dequantize_blocks(const at::Tensor& input, const at::Tensor& scales,
               "fastcast::dequantize_blocks: data must be float8_e4m3fn or float8_e5m2");
   TORCH_CHECK(block_rows >= 0 && block_cols >= 0,
               "fastcast::dequantize_blocks: block extents must be >= 0");
-  const at::Tensor data = input.contiguous();
+  // The transposed view of a row-major matrix (a column-wise layout taken as .t(), as
+  // per-tensor and row-wise FP8 make them) is read in place, not copied first.
+  const bool transposed = input.stride(0) == 1 && input.stride(1) >= input.size(0) &&
+                          input.size(1) > 1 && input.stride(1) != 1;
+  const at::Tensor data = transposed ? input : input.contiguous();
   const int64_t rows = data.size(0), cols = data.size(1);
   const int64_t tile_r = tile_extent(block_rows, rows), tile_c = tile_extent(block_cols, cols);
   const int64_t grid_r = (rows + tile_r - 1) / tile_r, grid_c = (cols + tile_c - 1) / tile_c;
@@ -77,6 +84,21 @@ at::Tensor dequantize_blocks(const at::Tensor& input, const at::Tensor& scales,
   const float* scale = grid.const_data_ptr<float>();
   const auto* src = reinterpret_cast<const uint8_t*>(data.const_data_ptr());
   float* dst = out.mutable_data_ptr<float>();
+  if (transposed) {  // strips of kStrip rows: each column's codes for them are contiguous
+    const int64_t ld = data.stride(1);
+    at::parallel_for(0, (rows + kStrip - 1) / kStrip, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t strip = begin; strip < end; ++strip) {
+        const int64_t r0 = strip * kStrip, r1 = std::min(rows, r0 + kStrip);
+        for (int64_t c = 0; c < cols; ++c) {
+          const uint8_t* codes = src + c * ld;
+          const float* column_scales = scale + c / tile_c;
+          for (int64_t r = r0; r < r1; ++r)
+            dst[r * cols + c] = table[codes[r]] * column_scales[(r / tile_r) * grid_c];
+        }
+      }
+    });
+    return out;
+  }
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / cols);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
