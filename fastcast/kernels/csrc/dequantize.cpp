@@ -64,10 +64,11 @@ at::Tensor dequantize_blocks(const at::Tensor& input, const at::Tensor& scales,
               "fastcast::dequantize_blocks: data must be float8_e4m3fn or float8_e5m2");
   TORCH_CHECK(block_rows >= 0 && block_cols >= 0,
               "fastcast::dequantize_blocks: block extents must be >= 0");
-  // The transposed view of a row-major matrix (a column-wise layout taken as .t(), as
-  // per-tensor and row-wise FP8 make them) is read in place, not copied first.
+  // The transposed view of a row-major matrix, with one scale across each row (the .t()
+  // column-wise layouts of per-tensor and row-wise FP8), is read in place, not copied.
   const bool transposed = input.stride(0) == 1 && input.stride(1) >= input.size(0) &&
-                          input.size(1) > 1 && input.stride(1) != 1;
+                          input.size(1) > 1 && input.stride(1) != 1 &&
+                          (block_cols == 0 || block_cols >= input.size(1));
   const at::Tensor data = transposed ? input : input.contiguous();
   const int64_t rows = data.size(0), cols = data.size(1);
   const int64_t tile_r = tile_extent(block_rows, rows), tile_c = tile_extent(block_cols, cols);
@@ -84,16 +85,25 @@ at::Tensor dequantize_blocks(const at::Tensor& input, const at::Tensor& scales,
   const float* scale = grid.const_data_ptr<float>();
   const auto* src = reinterpret_cast<const uint8_t*>(data.const_data_ptr());
   float* dst = out.mutable_data_ptr<float>();
-  if (transposed) {  // strips of kStrip rows: each column's codes for them are contiguous
+  if (transposed) {
+    // Tiles of kStrip x kStrip: the tile's codes are gathered column by column (each a
+    // contiguous run in memory), then written out row by row with the row's scale.
     const int64_t ld = data.stride(1);
     at::parallel_for(0, (rows + kStrip - 1) / kStrip, 1, [&](int64_t begin, int64_t end) {
+      std::array<uint8_t, kStrip * kStrip> tile;
       for (int64_t strip = begin; strip < end; ++strip) {
-        const int64_t r0 = strip * kStrip, r1 = std::min(rows, r0 + kStrip);
-        for (int64_t c = 0; c < cols; ++c) {
-          const uint8_t* codes = src + c * ld;
-          const float* column_scales = scale + c / tile_c;
-          for (int64_t r = r0; r < r1; ++r)
-            dst[r * cols + c] = table[codes[r]] * column_scales[(r / tile_r) * grid_c];
+        const int64_t r0 = strip * kStrip, height = std::min(kStrip, rows - r0);
+        for (int64_t c0 = 0; c0 < cols; c0 += kStrip) {
+          const int64_t width = std::min(kStrip, cols - c0);
+          for (int64_t c = 0; c < width; ++c) {
+            const uint8_t* codes = src + (c0 + c) * ld + r0;
+            for (int64_t r = 0; r < height; ++r) tile[r * kStrip + c] = codes[r];
+          }
+          for (int64_t r = 0; r < height; ++r) {
+            const float s = scale[(r0 + r) / tile_r];  // one block across the row
+            float* values = dst + (r0 + r) * cols + c0;
+            for (int64_t c = 0; c < width; ++c) values[c] = table[tile[r * kStrip + c]] * s;
+          }
         }
       }
     });
