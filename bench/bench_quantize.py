@@ -37,8 +37,8 @@ TARGETS = [
         ("test_mxfp8_both", "MXFP8, both layouts", 2.5),
         ("test_nvfp4", "NVFP4 1x16", 2.5),
         ("test_nvfp4_16x16", "NVFP4 16x16", 2.5),
-        ("test_rowwise", "row-wise (no fused kernel yet)", 2.5),
-        ("test_rowwise_both", "row-wise, both layouts (no fused kernel yet)", 2.5),
+        ("test_rowwise", "row-wise", 2.5),
+        ("test_rowwise_both", "row-wise, both layouts", 2.5),
     )
 ]
 
