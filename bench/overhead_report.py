@@ -31,7 +31,8 @@ import argparse
 import json
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -141,6 +142,28 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
 
 
+def training_step(
+    recipe: str, width: int, depth: int, batch: int, steps: int, device: torch.device
+) -> Callable[[int], None]:
+    """``step(i)``: one training step of train_step's model on batch ``i`` (of ``steps``),
+    the forward under ``fc.autocast(recipe=...)``, as bench/train_step.py runs it."""
+    torch.manual_seed(0)
+    model = MLPStack(width, depth).to(device)
+    fc.convert(model, recipe=QUANTIZED[recipe]())
+    autocast_recipe = QUANTIZED[recipe]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=DEFAULTS["lr"])
+    inputs, targets = make_data(width, batch, steps, 0, device)
+
+    def step(i: int) -> None:
+        with fc.autocast(recipe=autocast_recipe):
+            out = model(inputs[i])
+        F.mse_loss(out.float(), targets[i]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
 def report(
     recipe: str = "current",
     steps: int = 10,
@@ -162,19 +185,7 @@ def report(
         raise ValueError(f"overhead_report: steps must be at least 1, got {steps}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
-    torch.manual_seed(0)
-    model = MLPStack(width, depth).to(dev)
-    fc.convert(model, recipe=QUANTIZED[recipe]())
-    autocast_recipe = QUANTIZED[recipe]()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=DEFAULTS["lr"])
-    inputs, targets = make_data(width, batch, WARMUP + steps, 0, dev)
-
-    def step(i: int) -> None:
-        with fc.autocast(recipe=autocast_recipe):
-            out = model(inputs[i])
-        F.mse_loss(out.float(), targets[i]).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    step = training_step(recipe, width, depth, batch, WARMUP + steps, dev)
 
     was_enabled = fc.profiling.is_enabled()
     fc.profiling.enable()
@@ -196,7 +207,7 @@ def report(
     result = summarize(prof.events(), cuda, per_module)
     result.update(
         recipe=recipe, width=width, depth=depth, batch=batch, torch=torch.__version__,
-        threads=torch.get_num_threads(),
+        threads=torch.get_num_threads(), datetime=datetime.now(timezone.utc).isoformat(),
     )  # fmt: skip
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -190,3 +193,99 @@ def test_a_missing_benchmark_is_named(sample):
     partial["benchmarks"] = [b for b in partial["benchmarks"] if b["name"] != "test_mxfp8"]
     with pytest.raises(KeyError, match="no benchmark 'test_mxfp8'"):
         readme.render("<!-- bench:micro -->\n<!-- /bench:micro -->\n", partial)
+
+
+# --------------------------------------------------------------------------- nsys, py-spy
+
+
+def _nvtx_rows(*rows: tuple[str, int, float]) -> list[dict[str, str]]:
+    """nvtx_sum CSV rows: (range as nsys writes it, instances, total ns)."""
+    return [
+        {
+            "Time (%)": "1.0",
+            "Total Time (ns)": f"{total:,.0f}",
+            "Instances": str(n),
+            "Avg (ns)": str(total / n),
+            "Style": "PushPop",
+            "Range": name,
+        }  # fmt: skip
+        for name, n, total in rows
+    ]
+
+
+def _proj_rows(*rows: tuple[str, int, float]) -> list[dict[str, str]]:
+    return [
+        {
+            "Range": name,
+            "Style": "PushPop",
+            "Total Proj Time (ns)": str(total),
+            "Total Range Time (ns)": "0",
+            "Range Instances": str(n),
+            "Proj Avg (ns)": "0",
+        }  # fmt: skip
+        for name, n, total in rows
+    ]
+
+
+def test_nsys_tables_become_the_overhead_report():
+    from bench import nsys_report
+
+    nvtx = _nvtx_rows(
+        ("fastcast:fastcast.scaled_mm", 60, 600_000),  # 10 µs per call on the CPU
+        (":fastcast.Linear.forward[blocks.0.fc1]", 10, 500_000),
+        (":fastcast.Linear.forward[head]", 10, 300_000),
+        ("fastcast:overhead_report.step", 10, 2_000_000),  # 200 µs per step
+        ("some_other_range", 5, 1_000),
+    )
+    proj = _proj_rows(
+        ("fastcast:fastcast.scaled_mm", 60, 1_200_000),  # 20 µs of GPU per call
+        (":fastcast.Linear.forward[blocks.0.fc1]", 10, 100_000),
+        ("fastcast:overhead_report.step", 10, 1_000_000),
+    )
+    result = nsys_report.summarize(nvtx, proj, steps=10, per_module=False)
+    rows = {r["range"]: r for r in result["ranges"]}
+    assert set(rows) == {"fastcast.scaled_mm", "fastcast.Linear.forward"}
+    mm = rows["fastcast.scaled_mm"]
+    assert mm["calls_per_step"] == 6 and mm["cpu_us_per_call"] == pytest.approx(10)
+    assert mm["kernel_us_per_call"] == pytest.approx(20) and mm["cpu_over_kernel"] == 0.5
+    linear = rows["fastcast.Linear.forward"]  # both modules together
+    assert linear["calls_per_step"] == 2 and linear["cpu_us_per_call"] == pytest.approx(40)
+    step = result["step"]
+    assert step["cpu_us"] == pytest.approx(200) and step["kernel_us"] == pytest.approx(100)
+    assert step["cpu_bound"]  # 200 µs of launches for 100 µs of GPU work
+    per_module = nsys_report.summarize(nvtx, proj, steps=10, per_module=True)
+    assert "fastcast.Linear.forward[head]" in {r["range"] for r in per_module["ranges"]}
+    with pytest.raises(ValueError, match="unexpected columns"):
+        nsys_report.summarize([{"Foo": "1"}], [], steps=1, per_module=False)
+
+
+def _script(name: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(ROOT / "profiles" / name)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_make_nsys_without_nsys_says_so(tmp_path):
+    env = dict(os.environ, PATH=f"{tmp_path}:/usr/bin:/bin", PYTHON=sys.executable)
+    if shutil.which("nsys", path=env["PATH"]):
+        pytest.skip("nsys is installed here")
+    done = _script("nsys.sh", env)
+    assert done.returncode == 2
+    assert "Nsight Systems (`nsys`) is not on PATH" in done.stderr
+
+
+def test_make_profile_names_a_missing_ptrace_permission(tmp_path):
+    # A py-spy that fails as it does without ptrace permission; an interpreter beside it.
+    spy = tmp_path / "py-spy"
+    spy.write_text("#!/bin/sh\necho 'Caused by: Permission denied (os error 13)' >&2\nexit 1\n")
+    spy.chmod(0o755)
+    python = tmp_path / "python"
+    python.symlink_to(sys.executable)
+    env = dict(os.environ, PYTHON=str(python), STEPS="1")
+    done = _script("record.sh", env)
+    assert done.returncode == 3
+    assert "ptrace is not permitted" in done.stderr and "SYS_PTRACE" in done.stderr
