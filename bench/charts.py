@@ -3,8 +3,8 @@
 Four charts, per-call medians (inner loops divided out, as in bench/run.py's tables):
 
 - ``autocast.png``: ``fc.autocast`` enter+exit against an empty ``__slots__`` context
-  manager, a ``@contextmanager`` generator and ``torch.autocast`` (and a TE-style entry
-  when the run has one);
+  manager, a ``@contextmanager`` generator and ``torch.autocast`` (and TransformerEngine's
+  ``fp8_autocast`` when the run has it);
 - ``linear.png``: ``fc.Linear`` fwd+bwd against ``nn.Linear`` and torchao's
   ``Float8Linear`` (16x16, overhead-bound);
 - ``quantize.png``: quantize throughput per family at 4096x4096 (G elements/s);
@@ -39,7 +39,7 @@ TIME_CHARTS = [
             ("test_empty_slots_cm", "empty __slots__ CM"),
             ("test_slots_cm_storing_args", "__slots__ CM storing 4 args"),
             ("test_fc_autocast", "fc.autocast"),
-            ("test_te_style_autocast", "TE-style autocast"),
+            ("test_te_fp8_autocast", "TE fp8_autocast"),
             ("test_contextmanager_generator", "@contextmanager"),
             ("test_torch_autocast_cpu", "torch.autocast('cpu')"),
         ],

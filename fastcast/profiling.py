@@ -33,7 +33,7 @@ DOMAIN = "fastcast"
 ENV_ENABLED = os.environ.get("FASTCAST_NVTX", "0").strip() not in ("", "0", "false", "False")
 
 # The marked functions, by id: original -> (name, instance attribute naming the range).
-# Filled once per decorated function at import; never changes afterwards.
+# Filled as the modules defining them are imported; an entry never changes.
 _MARKED: dict[int, tuple[Callable[..., Any], str, str | None]] = {}
 # The one switch: whether the marked functions are wrapped now (read by annotate, so
 # that a module imported after enable() is traced as well).
