@@ -237,14 +237,18 @@ def checkpoint_table(get: Lookup) -> list[str]:
     return _md(headers, ["---", *["---:"] * (len(headers) - 1)], rows)
 
 
+def _us(value: float) -> str:
+    return f"{value:.1f}" if value < 1000 else f"{value:,.0f}"
+
+
 def overhead_table(overhead: dict) -> list[str]:
     kernel = "kernel µs/call" if overhead["device"] == "cuda" else "ATen µs/call"
     rows = [
         [
             f"`{r['range']}`",
             f"{r['calls_per_step']:g}",
-            f"{r['cpu_us_per_call']:.1f}",
-            f"{r['kernel_us_per_call']:.1f}",
+            _us(r["cpu_us_per_call"]),
+            _us(r["kernel_us_per_call"]),
             "" if r["cpu_over_kernel"] is None else f"{r['cpu_over_kernel']:.2f}x",
         ]
         for r in overhead["ranges"]
@@ -254,8 +258,8 @@ def overhead_table(overhead: dict) -> list[str]:
         [
             "whole step",
             "1",
-            f"{s['cpu_us']:.1f}",
-            f"{s['kernel_us']:.1f}",
+            _us(s["cpu_us"]),
+            _us(s["kernel_us"]),
             "" if s["cpu_over_kernel"] is None else f"{s['cpu_over_kernel']:.2f}x",
         ]
     )

@@ -185,7 +185,7 @@ def test_overhead_block_renders_when_the_sample_has_a_report(sample):
     text = "a\n<!-- bench:overhead -->\nold\n<!-- /bench:overhead -->\nb\n"
     lines = _block(readme.render(text, with_report), "overhead")
     assert _cells(lines[2]) == ["`fastcast.scaled_mm`", "27", "30.0", "20.0", "1.50x"]
-    assert _cells(lines[3]) == ["whole step", "1", "1000.0", "800.0", "1.25x"]
+    assert _cells(lines[3]) == ["whole step", "1", "1,000", "800.0", "1.25x"]
 
 
 def test_a_missing_benchmark_is_named(sample):
