@@ -83,7 +83,7 @@ def _barh(plt, labels: list[str], values: list[float], unit: str, title: str, pa
     ax.bar_label(bars, labels=[f"{v:.3g} {unit}" for v in values], padding=3, fontsize=8)
     ax.set_xlabel(unit)
     ax.set_title(title, fontsize=10)
-    ax.margins(x=0.2)
+    ax.margins(x=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -121,14 +121,14 @@ def _rebind_class(cls: type, replacement: Callable[[Any], Any]) -> None:
 
 
 def _traced(fn: F, name: str, instance_name: str | None) -> F:
-    import nvtx  # noqa: PLC0415 - only imported when tracing
     import torch  # noqa: PLC0415
 
-    domain = nvtx.get_domain(DOMAIN)
-    attributes: dict[str, Any] = {}  # range name -> NVTX attributes, built once each
-    record_function = torch.autograd.profiler.record_function
+    # The closure holds only functions and strings: Dynamo, tracing a compiled caller,
+    # builds a variable for every cell, and cannot for NVTX's objects.
     compiling = torch.compiler.is_compiling
-    profiling = torch._C._autograd._profiler_enabled  # whether a torch.profiler is recording
+    profiling = torch._C._autograd._profiler_enabled  # whether a torch.profiler records
+    record_function = torch.autograd.profiler.record_function
+    push, pop = _nvtx_push, _nvtx_pop
 
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any) -> Any:
@@ -138,10 +138,7 @@ def _traced(fn: F, name: str, instance_name: str | None) -> F:
         qualifier = getattr(args[0], instance_name, None) if instance_name and args else None
         if qualifier:
             label = f"{name}[{qualifier}]"
-        attrs = attributes.get(label)
-        if attrs is None:
-            attrs = attributes[label] = domain.get_event_attributes(message=label)
-        domain.push_range(attrs)
+        push(label)
         try:
             if profiling():  # a record_function costs ~8 µs even with no profiler to see it
                 with record_function(label):
@@ -149,13 +146,39 @@ def _traced(fn: F, name: str, instance_name: str | None) -> F:
             else:
                 out = fn(*args, **kwargs)
         finally:
-            domain.pop_range()
+            pop()
         if qualifier:
             _name_function_node(out, instance_name, qualifier)
         return out
 
     traced._fc_original = fn  # type: ignore[attr-defined]
     return traced  # type: ignore[return-value]
+
+
+# NVTX: the domain (key "") and the attributes of each range name, made once each
+# (immutable facts, process-wide).
+_NVTX: dict[str, Any] = {}
+
+
+def _nvtx_push(label: str) -> None:
+    attributes = _NVTX.get(label)
+    if attributes is None:
+        domain = _nvtx_domain()
+        attributes = _NVTX[label] = domain.get_event_attributes(message=label)
+    _NVTX[""].push_range(attributes)
+
+
+def _nvtx_pop() -> None:
+    _NVTX[""].pop_range()
+
+
+def _nvtx_domain() -> Any:
+    domain = _NVTX.get("")
+    if domain is None:
+        import nvtx  # noqa: PLC0415 - only imported when tracing
+
+        domain = _NVTX[""] = nvtx.get_domain(DOMAIN)
+    return domain
 
 
 def _name_function_node(out: Any, attr: str, value: str) -> None:

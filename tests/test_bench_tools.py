@@ -289,3 +289,21 @@ def test_make_profile_names_a_missing_ptrace_permission(tmp_path):
     done = _script("record.sh", env)
     assert done.returncode == 3
     assert "ptrace is not permitted" in done.stderr and "SYS_PTRACE" in done.stderr
+
+
+# --------------------------------------------------------------------------- charts
+
+
+def test_charts_from_the_sample(sample, tmp_path):
+    pytest.importorskip("matplotlib")  # the [bench] extra; make test installs [dev] only
+    from bench import charts
+
+    written = charts.draw(sample, (sample.get("fastcast") or {}).get("overhead"), tmp_path)
+    names = {p.name for p in written}
+    assert {"autocast.png", "linear.png", "quantize.png"} <= names
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A run without the Linear group (filtered with -k) draws no Linear chart.
+    partial = copy.deepcopy(sample)
+    partial["benchmarks"] = [b for b in partial["benchmarks"] if b["group"] != "linear-fwd-bwd"]
+    assert "linear.png" not in {p.name for p in charts.draw(partial, None, tmp_path / "p")}

@@ -223,3 +223,21 @@ def test_environment_variable_enables_at_import():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("ok")
+
+
+@pytest.mark.compile
+def test_traced_functions_compile_fullgraph(tracing, fresh_dynamo):
+    # Dynamo traces through the wrappers (no range inside a graph) without a graph break.
+    model = fc.convert(nn.Sequential(nn.Linear(32, 32)), recipe=fc.Float8CurrentScaling())
+    recipe = fc.Float8CurrentScaling()
+
+    def forward(x):
+        with fc.autocast(recipe=recipe):
+            return model(x)
+
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    compiled = torch.compile(forward, fullgraph=True)
+    profiling.disable()
+    expected = forward(x)  # eager, untraced
+    profiling.enable()
+    assert torch.equal(compiled(x), expected)
