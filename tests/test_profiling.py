@@ -99,7 +99,8 @@ def test_enable_wraps_everywhere_and_disable_restores_the_originals():
             assert where()._fc_original is originals[name], name
         assert gemm.scaled_mm is function.scaled_mm  # every module that imported it
         assert fc.scaled_mm._fc_original is re_exported
-        assert tensorwise.quantize_with_scale._fc_original is not None
+        for quantizer in ("CurrentScalingQuantizer", "DelayedScalingQuantizer"):
+            assert vars(getattr(tensorwise, quantizer))["quantize"]._fc_original is not None
     finally:
         profiling.disable()
     for name, where in HOT_PATH.items():
@@ -121,6 +122,10 @@ def test_ranges_appear_in_torch_profiler_with_module_names(tracing):
     # Three GEMMs per layer (forward, dgrad, wgrad); the first layer's input needs dgrad.
     assert names.count("fastcast.scaled_mm") == 6
 
+    # No range nests in one of its own kind: the report counts every call once.
+    for e in _fastcast(events):
+        kind = e.name.split("[")[0]
+        assert not any(n.split("[")[0] == kind for n in _inside(e, ("fastcast.",))), e.name
     by_name = {e.name: e for e in _fastcast(events)}
     for pass_ in ("forward", "backward"):
         inner = _inside(by_name[f"fastcast.Linear.{pass_}[2]"], ("fastcast.",))
