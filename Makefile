@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BENCH_TOOLS := $(VENV)/.bench
 COMPARE := $(VENV)/.compare
 
-.PHONY: bench bench-sample test lint clean
+.PHONY: bench bench-sample bench-compare readme profile nsys test lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,13 +32,35 @@ test: $(STAMP)
 bench: $(COMPARE)
 	$(PY) -m bench.run
 
-# Replace the committed bench/results/sample.json with this run's medians (make bench
-# itself changes no tracked file).
+# Replace the committed bench/results/sample.json with this run's medians and overhead
+# report, then README's tables and bench/charts/ from it (make bench itself changes no
+# tracked file).
 bench-sample: $(COMPARE)
 	$(PY) -m bench.run --update-sample
+	$(MAKE) readme
+
+# Per-call ratios of the last make bench against the one before (this machine's
+# history in bench/results/history/); REGRESSION above THRESHOLD.
+THRESHOLD ?= 1.10
+bench-compare: $(BENCH_TOOLS)
+	$(PY) -m bench.history --threshold $(THRESHOLD)
+
+# README's benchmark tables and the charts it shows, from the committed sample.
+readme: $(BENCH_TOOLS)
+	$(PY) -m bench.readme
+	$(PY) -m bench.charts --sample
+
+# py-spy flamegraph (SVG) and speedscope JSON of the training step, in profiles/out/.
+RECIPES ?= current
+profile: $(BENCH_TOOLS)
+	PYTHON=$(PY) bash profiles/record.sh $(RECIPES)
+
+# Nsight Systems trace with NVTX ranges and its per-range table (needs nsys and a GPU).
+nsys: $(BENCH_TOOLS)
+	PYTHON=$(PY) bash profiles/nsys.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check fastcast tests bench
 
 clean:
-	rm -rf $(VENV) bench/results/*.json
+	rm -rf $(VENV) bench/results/*.json bench/results/charts

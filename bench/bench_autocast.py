@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
 import fastcast as fc
@@ -117,6 +118,23 @@ def test_fc_autocast(benchmark):
     _run(benchmark, AUTOCAST, loop)
 
 
+def test_fc_autocast_traced(benchmark):
+    """fc.autocast with fastcast's ranges on (fc.profiling.enable(), no profiler
+    attached): enter and exit each run in an NVTX range and a record_function scope."""
+    cm, recipe = fc.autocast, fc.DelayedScaling()
+
+    def loop():
+        for _ in range(INNER):
+            with cm(recipe=recipe):
+                pass
+
+    fc.profiling.enable()
+    try:
+        _run(benchmark, AUTOCAST, loop)
+    finally:
+        fc.profiling.disable()
+
+
 def test_empty_slots_cm(benchmark):
     cm = EmptyCM
 
@@ -156,6 +174,23 @@ def test_torch_autocast_cpu(benchmark):
     def loop():
         for _ in range(INNER):
             with cm("cpu"):
+                pass
+
+    _run(benchmark, AUTOCAST, loop)
+
+
+def test_te_fp8_autocast(benchmark):
+    """TransformerEngine's ``fp8_autocast`` (a ``@contextmanager`` over global state),
+    disabled so that it runs without FP8 hardware; skipped where TE does not import."""
+    try:
+        from transformer_engine.pytorch import fp8_autocast  # noqa: PLC0415 - optional peer
+    except Exception as exc:  # noqa: BLE001 - absent, or no CUDA: skip either way
+        pytest.skip(f"transformer_engine is not importable: {exc}")
+    cm = fp8_autocast
+
+    def loop():
+        for _ in range(INNER):
+            with cm(enabled=False):
                 pass
 
     _run(benchmark, AUTOCAST, loop)

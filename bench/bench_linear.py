@@ -160,6 +160,18 @@ def test_fc_linear_current(benchmark):
     _run(benchmark, GROUP, _autocast_loop(layer, _input(SMALL), recipe))
 
 
+def test_fc_linear_current_traced(benchmark):
+    """The same as test_fc_linear_current with fastcast's ranges on (fc.profiling.enable():
+    NVTX + record_function per range, no profiler attached): what tracing costs."""
+    layer = _seeded(lambda: fc.Linear(SMALL, SMALL))
+    recipe = fc.Float8CurrentScaling()
+    fc.profiling.enable()
+    try:
+        _run(benchmark, GROUP, _autocast_loop(layer, _input(SMALL), recipe))
+    finally:
+        fc.profiling.disable()
+
+
 def test_fc_linear_delayed(benchmark):
     layer = _seeded(lambda: fc.Linear(SMALL, SMALL))
     recipe = fc.DelayedScaling()

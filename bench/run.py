@@ -10,12 +10,20 @@ This is what ``make bench`` runs, from the repository root. It
 2. prints a table per benchmark group (median and IQR per iteration, ratio to the
    group's fastest entry) and a table of targets (measured ratio, limit, PASS/MISS),
    and writes the same tables in Markdown to ``bench/results/summary.md``;
-3. runs ``python -m bench.train_step`` and ``python -m bench.train_step --compile``
-   (compiled vs eager steps, compile times, torchao as the peer) in subprocesses when
-   ``bench/train_step.py`` exists, printing their output;
-4. with ``--update-sample`` (``make bench-sample``), after a successful full run, copies
-   ``latest.json`` to ``bench/results/sample.json``, less the raw per-round timings (the
-   one result file under version control). A plain ``make bench`` changes no tracked file.
+3. saves the run (stats only) in ``bench/results/history/<machine>/`` for
+   ``make bench-compare`` (bench/history.py: per-call ratios against the previous run);
+4. on a full run (no extra arguments): runs ``python -m bench.overhead_report``
+   (per-range CPU vs kernel time of the training step, JSON and a Chrome trace in
+   ``profiles/out/``), ``python -m bench.train_step`` and ``python -m bench.train_step
+   --compile`` (compiled vs eager steps, compile times, torchao as the peer) in
+   subprocesses, printing their output (a filtered run, ``-k autocast``, skips this);
+5. draws the charts (bench/charts.py, matplotlib from the ``[bench]`` extra) into
+   ``bench/results/charts/``;
+6. with ``--update-sample`` (``make bench-sample``), after a successful full run, copies
+   ``latest.json`` to ``bench/results/sample.json``, less the raw per-round timings, with
+   the overhead report added (the one result file under version control; ``make
+   readme`` renders README's tables and charts from it). A plain ``make bench`` changes
+   no tracked file.
 
 The exit status is pytest's (or train_step's when pytest passed): a missed target is
 printed as MISS but does not fail the run. ``python -m bench.run --report FILE`` renders
@@ -59,6 +67,8 @@ RESULTS = BENCH_DIR / "results"
 LATEST = RESULTS / "latest.json"
 SAMPLE = RESULTS / "sample.json"
 SUMMARY = RESULTS / "summary.md"
+CHARTS = RESULTS / "charts"
+OVERHEAD = ROOT / "profiles" / "out" / "overhead_current.json"  # bench/overhead_report.py
 
 PYTEST_OPTIONS = [
     "-o",
@@ -290,13 +300,20 @@ def report(path: Path) -> int:
 # --------------------------------------------------------------------------- main
 
 
-def write_sample(source: Path, dest: Path) -> None:
-    """Copy a result JSON without the raw per-round timings (stats only: small enough
-    to keep under version control)."""
-    data = json.loads(source.read_text())
+def stats_only(data: dict) -> dict:
+    """A result without the raw per-round timings (small enough to keep), in place."""
     for bench in data.get("benchmarks", []):
         bench.pop("data", None)
         bench.get("stats", {}).pop("data", None)
+    return data
+
+
+def write_sample(source: Path, dest: Path, overhead: Path | None = None) -> None:
+    """Copy a result JSON, stats only, to ``dest``; with ``overhead``, that overhead
+    report's JSON goes in too (``fastcast.overhead``: the README's table and chart)."""
+    data = stats_only(json.loads(source.read_text()))
+    if overhead is not None and overhead.exists():
+        data.setdefault("fastcast", {})["overhead"] = json.loads(overhead.read_text())
     dest.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
@@ -325,23 +342,37 @@ def main(argv: list[str] | None = None) -> int:
     if LATEST.exists():
         print()
         report(LATEST)
-        if update_sample and rc == 0 and not args:
-            write_sample(LATEST, SAMPLE)
-            print(f"Sample results: {SAMPLE.relative_to(ROOT)}")
+        from bench import history  # noqa: PLC0415 - it imports this module
+
+        saved = history.save(LATEST)
+        print(f"Saved for `make bench-compare`: {saved.relative_to(ROOT)}")
     else:
         print(f"pytest wrote no {LATEST.relative_to(ROOT)} (exit status {rc})")
     if rc != 0:
         print(f"\npytest failed with exit status {rc}", file=sys.stderr)
 
-    if (BENCH_DIR / "train_step.py").exists():
-        for extra in ([], ["--compile"]):
-            shown = " ".join(["python -m bench.train_step", *extra])
-            print(f"\n$ {shown}", flush=True)
-            step_rc = subprocess.call([sys.executable, "-m", "bench.train_step", *extra])
-            if step_rc != 0:
-                print(f"{shown} failed with exit status {step_rc}", file=sys.stderr)
-                rc = rc or step_rc
+    full = not args  # a filtered run (-k ...) runs the benchmarks only
+    steps = [["bench.overhead_report"], ["bench.train_step"], ["bench.train_step", "--compile"]]
+    for step in steps if full else []:
+        shown = " ".join(["python -m", *step])
+        print(f"\n$ {shown}", flush=True)
+        step_rc = subprocess.call([sys.executable, "-m", *step])
+        if step_rc != 0:
+            print(f"{shown} failed with exit status {step_rc}", file=sys.stderr)
+            rc = rc or step_rc
+    if LATEST.exists():
+        _charts(["--results", str(LATEST), "--overhead", str(OVERHEAD), "--out", str(CHARTS)])
+    if update_sample and rc == 0 and full:
+        write_sample(LATEST, SAMPLE, OVERHEAD)
+        print(f"Sample results: {SAMPLE.relative_to(ROOT)}")
     return rc
+
+
+def _charts(args: list[str]) -> None:
+    """The PNG charts, in a subprocess (matplotlib is optional: a missing one is said)."""
+    print(f"\n$ python -m bench.charts {' '.join(args)}", flush=True)
+    if subprocess.call([sys.executable, "-m", "bench.charts", *args]) != 0:
+        print("charts not drawn (see above)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """fastcast: FP8 and FP4 mixed precision for PyTorch training with almost no CPU overhead."""
 
+from . import profiling
 from ._on_import import register_when_dynamo_imported
 from .autocast import autocast
 from .checkpoint import allow_unsafe_extra_state, read_extra_state, strip_extra_state
@@ -31,6 +32,8 @@ from .tensor import QuantizedTensor, TensorProto
 __version__ = "0.1.0"
 
 register_when_dynamo_imported()  # torch.compile support (fastcast.dynamo), imported lazily
+if profiling.ENV_ENABLED:  # FASTCAST_NVTX=1: every module is imported, wrap them now
+    profiling.enable()
 
 __all__ = [
     "CustomRecipe",
@@ -57,6 +60,7 @@ __all__ = [
     "keep_high_precision",
     "mxfp8_available",
     "nvfp4_available",
+    "profiling",
     "quantize",
     "read_extra_state",
     "scaled_mm",

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 from . import state as _state
 from .hardware import default_device_type, on_refresh
+from .profiling import annotate
 from .recipe import Recipe
 from .schemes import default_recipe, scheme_for
 from .state import AutocastFrame, Stack, get_stack, set_stack, thread_state
@@ -71,6 +72,7 @@ class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
         self.calibrating = calibrating
         self.group = amax_reduction_group
 
+    @annotate("fastcast.autocast.enter")
     def __enter__(self) -> autocast:
         below = get_stack()
         if self.recipe.__class__ not in _runnable:
@@ -97,6 +99,7 @@ class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
         elif self.enabled:
             raise RuntimeError(f"{type(recipe).__name__} cannot run here: {why}")
 
+    @annotate("fastcast.autocast.exit")
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         stack = get_stack()
         if stack[0] is self:

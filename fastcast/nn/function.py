@@ -98,7 +98,7 @@ class LinearFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @annotate("fastcast.Linear.backward")
+    @annotate("fastcast.Linear.backward", instance_name="_fc_name")
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
         saved = ctx.saved_tensors  # (each access unpacks them again under hooks)

@@ -81,7 +81,7 @@ class Linear(nn.Linear):
         return "fastcast.Linear"
 
     # -- the hot path ---------------------------------------------------------------------
-    @annotate("fastcast.Linear.forward")
+    @annotate("fastcast.Linear.forward", instance_name="_fc_name")
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         frame = get_stack()[0]
         params = self._parameters  # direct: nn.Module.__getattr__ is a slow fallback

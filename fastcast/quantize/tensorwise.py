@@ -32,7 +32,6 @@ from .base import (
 )
 
 
-@annotate("fastcast.quantize.tensorwise")
 def quantize_with_scale(
     x: torch.Tensor, scale: torch.Tensor, fmt: str, rowwise: bool, columnwise: bool
 ) -> Float8Tensor:
@@ -93,6 +92,7 @@ class CurrentScalingQuantizer:
     def __post_init__(self) -> None:
         check_fp8_format(type(self).__name__, self.fmt)
 
+    @annotate("fastcast.quantize.tensorwise")
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
     ) -> Float8Tensor:
@@ -115,7 +115,6 @@ class CurrentScalingQuantizer:
         return quantize_with_scale(x, scale, self.fmt, rowwise, columnwise)
 
 
-@annotate("fastcast.quantize.tensorwise")
 def _quantize_current(
     op: Any, q: CurrentScalingQuantizer, x: torch.Tensor, rowwise: bool, columnwise: bool
 ) -> Float8Tensor:
@@ -150,6 +149,7 @@ class DelayedScalingQuantizer:
     def scale(self) -> torch.Tensor:
         return self.meta.scale_views[self.index]
 
+    @annotate("fastcast.quantize.tensorwise")
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
     ) -> Float8Tensor:
@@ -174,6 +174,7 @@ class FixedScaleQuantizer:
         self.scale = scale
         self.fmt = fmt
 
+    @annotate("fastcast.quantize.tensorwise")
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
     ) -> Float8Tensor:
