@@ -69,6 +69,9 @@ SAMPLE = RESULTS / "sample.json"
 SUMMARY = RESULTS / "summary.md"
 CHARTS = RESULTS / "charts"
 OVERHEAD = ROOT / "profiles" / "out" / "overhead_current.json"  # bench/overhead_report.py
+# bench/train_step.py --json: eager and compiled training steps (README's tables).
+TRAIN_STEP = RESULTS / "train_step.json"
+TRAIN_COMPILE = RESULTS / "train_step_compile.json"
 
 PYTEST_OPTIONS = [
     "-o",
@@ -308,12 +311,22 @@ def stats_only(data: dict) -> dict:
     return data
 
 
-def write_sample(source: Path, dest: Path, overhead: Path | None = None) -> None:
-    """Copy a result JSON, stats only, to ``dest``; with ``overhead``, that overhead
-    report's JSON goes in too (``fastcast.overhead``: the README's table and chart)."""
+def write_sample(
+    source: Path,
+    dest: Path,
+    overhead: Path | None = None,
+    train_step: Path | None = None,
+    train_compile: Path | None = None,
+) -> None:
+    """Copy a result JSON, stats only, to ``dest``; the overhead report's JSON and the
+    training-step results (eager, compiled) of the same run go in too, where given
+    (``fastcast.overhead``, ``fastcast.train_step``, ``fastcast.train_step_compile``:
+    README's tables and chart)."""
     data = stats_only(json.loads(source.read_text()))
-    if overhead is not None and overhead.exists():
-        data.setdefault("fastcast", {})["overhead"] = json.loads(overhead.read_text())
+    extra = {"overhead": overhead, "train_step": train_step, "train_step_compile": train_compile}
+    for key, path in extra.items():
+        if path is not None and path.exists():
+            data.setdefault("fastcast", {})[key] = json.loads(path.read_text())
     dest.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
@@ -352,7 +365,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\npytest failed with exit status {rc}", file=sys.stderr)
 
     full = not args  # a filtered run (-k ...) runs the benchmarks only
-    steps = [["bench.overhead_report"], ["bench.train_step"], ["bench.train_step", "--compile"]]
+    for stale in (TRAIN_STEP, TRAIN_COMPILE) if full else ():  # this run's reach the sample
+        stale.unlink(missing_ok=True)
+    steps = [
+        ["bench.overhead_report"],
+        ["bench.train_step", "--json", str(TRAIN_STEP)],
+        ["bench.train_step", "--compile", "--json", str(TRAIN_COMPILE)],
+    ]
     for step in steps if full else []:
         shown = " ".join(["python -m", *step])
         print(f"\n$ {shown}", flush=True)
@@ -363,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     if LATEST.exists():
         _charts(["--results", str(LATEST), "--overhead", str(OVERHEAD), "--out", str(CHARTS)])
     if update_sample and rc == 0 and full:
-        write_sample(LATEST, SAMPLE, OVERHEAD)
+        write_sample(LATEST, SAMPLE, OVERHEAD, TRAIN_STEP, TRAIN_COMPILE)
         print(f"Sample results: {SAMPLE.relative_to(ROOT)}")
     return rc
 

@@ -54,10 +54,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -356,6 +358,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--device", default=default_device(), help="default: cuda if available")
     p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="also write the results to this JSON file (bench.run keeps them in the sample, "
+        "from which README's training-step tables are rendered)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -456,7 +465,35 @@ def _run_all(args: argparse.Namespace, device: torch.device) -> int:
         f"std {LABEL_NOISE}: no model goes below {LABEL_NOISE**2:.4f}"
     )
     print(f"total {time.perf_counter() - started:.1f} s")
+    if args.json is not None:
+        fields = ("step_ms", "cpu_ms", "gpu_ms", "final_loss", "loss_ratio", "heldout_loss")
+        fields += ("heldout_ratio", "heldout_recipe_loss", "converted")
+        summary = {
+            name: {**{f: r.get(f) for f in fields}, "heldout_target": heldout_tolerance(name)}
+            for name, r in results.items()
+        }
+        _write_json(args, device, "eager", {"results": summary, "skipped": skipped})
     return 0
+
+
+def _write_json(
+    args: argparse.Namespace, device: torch.device, mode: str, body: dict[str, Any]
+) -> None:
+    """``--json``: the run's settings and ``body``; NaN becomes null (strict JSON)."""
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        return value
+
+    settings = {k: getattr(args, k) for k in ("width", "depth", "batch", "steps", "lr", "seed")}
+    head = {"mode": mode, "device": str(device), "threads": torch.get_num_threads()}
+    head |= {"torch": torch.__version__, "settings": settings}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(clean(head | body), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {args.json}")
 
 
 def _print_table(results: dict[str, dict[str, Any]], skipped: dict[str, str], cuda: bool) -> None:
@@ -526,11 +563,14 @@ def _run_compiled(args: argparse.Namespace, device: torch.device) -> int:
     sizes = (args.width, args.depth, args.batch)
     rows: list[list[str]] = []
     compiled: dict[str, dict[str, Any]] = {}
+    summary: dict[str, dict[str, Any]] = {}  # --json
+    not_run: dict[str, str] = {}
     for name in args.recipes:
         try:
             eager = run(name, *sizes, args.steps, args.lr, args.seed, device)
         except RuntimeError as exc:  # a recipe this machine cannot run
             rows.append([name, "skipped", "", "", "", "", "", str(exc).splitlines()[0][:50]])
+            not_run[name] = f"skipped: {str(exc).splitlines()[0]}"
             continue
         with tempfile.TemporaryDirectory(prefix="fastcast-inductor-") as cache:
             with temporary_cache_dir(cache):
@@ -545,11 +585,20 @@ def _run_compiled(args: argparse.Namespace, device: torch.device) -> int:
                     rows.append(
                         [name, _fmt(eager["step_ms"]), "failed", "", "", "", "", first[:50]]
                     )
+                    not_run[name] = f"compile failed: {first}"
                     continue
                 finally:
                     torch._dynamo.reset()
         compiled[name] = cold
         ratio = cold["step_ms"] / eager["step_ms"]
+        summary[name] = {
+            "eager_ms": eager["step_ms"],
+            "compiled_ms": cold["step_ms"],
+            "compile_cold_s": cold["compile_s"],
+            "compile_warm_s": warm["compile_s"],
+            "final_loss": cold["final_loss"],
+            "eager_final_loss": eager["final_loss"],
+        }
         print(
             f"{name:>8}: eager {_fmt(eager['step_ms'])} ms, compiled {_fmt(cold['step_ms'])} ms "
             f"({ratio:.2f}x), compile {cold['compile_s']:.1f} s cold / "
@@ -574,6 +623,8 @@ def _run_compiled(args: argparse.Namespace, device: torch.device) -> int:
         ratio = compiled["current"]["step_ms"] / compiled["torchao"]["step_ms"]
         verdict = "PASS" if ratio <= 1.0 else "MISS"
         next(r for r in rows if r[0] == "current")[-1] = f"{ratio:.2f}x torchao ({verdict} <= 1x)"
+    if args.json is not None:
+        _write_json(args, device, "compile", {"results": summary, "not_run": not_run})
     headers = ["recipe", "eager ms", "compiled ms", "ratio", "cold s", "warm s", "loss", "note"]
     widths = (
         [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)] if rows else []

@@ -145,7 +145,7 @@ def test_a_cell_is_the_samples_per_call_median(sample):
     )
     row = rows["`fc.Linear` 16x16 fwd+bwd, `Float8CurrentScaling`, vs `nn.Linear`"]
     assert row[2] == f"{ratio:.2f}x"
-    assert row[3].endswith("pass" if ratio <= 2.0 else "**miss**")
+    assert row[3].endswith("pass" if ratio <= 2.5 else "**miss**")
 
 
 def test_a_moved_median_moves_the_table_and_check_catches_it(sample, tmp_path):
@@ -186,6 +186,52 @@ def test_overhead_block_renders_when_the_sample_has_a_report(sample):
     lines = _block(readme.render(text, with_report), "overhead")
     assert _cells(lines[2]) == ["`fastcast.scaled_mm`", "27", "30.0", "20.0", "1.50x"]
     assert _cells(lines[3]) == ["whole step", "1", "1,000", "800.0", "1.25x"]
+
+
+def _train_step_sample(sample: dict) -> dict:
+    """The sample with a small training-step run of each kind (bench.train_step --json)."""
+    result = copy.deepcopy(sample)
+    extra = result.setdefault("fastcast", {})
+    row = {"final_loss": 0.2, "loss_ratio": 1.0, "heldout_loss": 0.2, "heldout_ratio": 1.0}
+    extra["train_step"] = {
+        "results": {
+            "fp32": {**row, "step_ms": 10.0, "heldout_target": 0.05},
+            "current": {**row, "step_ms": 14.0, "heldout_ratio": 1.004, "heldout_target": 0.05},
+            "rowwise": {**row, "step_ms": 16.0, "heldout_ratio": 1.02, "heldout_target": 0.01},
+            "nvfp4": {**row, "step_ms": 30.0, "heldout_ratio": 1.011, "heldout_target": 0.03},
+        },
+        "skipped": {"mxfp8": "no kernel"},
+    }
+    compiled = {"eager_ms": 14.0, "compile_cold_s": 15.0, "compile_warm_s": 4.0}
+    extra["train_step_compile"] = {
+        "results": {
+            "current": {**compiled, "compiled_ms": 7.0},
+            "torchao": {**compiled, "eager_ms": 28.0, "compiled_ms": 14.0},
+        },
+        "not_run": {"block": "compile failed: Boom"},
+    }
+    return result
+
+
+def test_training_step_blocks_render_from_the_samples_runs(sample):
+    text = "<!-- bench:train_step -->\n<!-- /bench:train_step -->\n"
+    text += "<!-- bench:train_compile -->\n<!-- /bench:train_compile -->\n"
+    rendered = readme.render(text, _train_step_sample(sample))
+    rows = {_cells(line)[0]: _cells(line) for line in _block(rendered, "train_step")[2:]}
+    assert rows["fp32"][1:3] == ["10.0 ms", "1.00x"]  # no step target for high precision
+    assert rows["`Float8CurrentScaling`"][2] == "1.40x: pass"  # FP8: <= 1.5x fp32's step
+    assert rows["`Float8RowwiseScaling`"][2] == "1.60x: **miss**"
+    assert rows["`Float8RowwiseScaling`"][6] == "1.020: **miss** (1%)"
+    assert rows["`NVFP4BlockScaling` (head kept)"][2] == "3.00x"  # FP4: no step target
+    assert rows["`NVFP4BlockScaling` (head kept)"][6] == "1.011: pass (3%)"
+    assert rows["`MXFP8BlockScaling`"][1] == "skipped"
+    compiled = _block(rendered, "train_compile")
+    rows = {_cells(line)[0]: _cells(line) for line in compiled[2:5]}
+    assert rows["`Float8CurrentScaling`"][1:] == ["14.0 ms", "7.0 ms", "0.50x", "15.0 / 4.0 s"]
+    assert rows["`Float8BlockScaling`"][2] == "compile failed: Boom"
+    assert compiled[-1] == (
+        "Compiled current scaling / compiled torchao: 0.50x (pass, target <= 1x)."
+    )
 
 
 def test_a_missing_benchmark_is_named(sample):
