@@ -14,7 +14,10 @@ results are the reference's bit for bit, generator state included.
 
 ``scaled_mm_tensorwise`` has no compiled form: on CUDA ``torch._scaled_mm`` runs the FP8
 tensor cores, which a compiled emulation could only slow down, and on the CPU its values
-are those of the C++ GEMM (which only saves passes).
+are those of the C++ GEMM (which only saves passes). Not compiled yet (their callers run
+the reference where ``fused_op`` gives None): ``quantize_recording`` (delayed scaling
+then records and quantizes in two compiled operators), ``quantize_rows`` and
+``dequantize_nvfp4``.
 """
 
 from __future__ import annotations
