@@ -41,11 +41,11 @@ def with_mode(mode: str, quantizer: CurrentScalingQuantizer) -> Callable:
     choice is resolved once per mode, then set before each call: no env read timed)."""
     os.environ["FASTCAST_KERNELS"] = mode
     choice.refresh()
-    forced = choice._resolve()
+    forced = choice._resolve_cpu()
     del os.environ["FASTCAST_KERNELS"]
 
     def run(x: torch.Tensor) -> object:
-        choice._ops = forced
+        choice._cpu_ops = forced
         return quantizer.quantize(x)
 
     return run

@@ -39,10 +39,12 @@ def _traced_scale_and_cast(x: torch.Tensor, scale: Any, fmt: str) -> torch.Tenso
     fmt_max = ELEMENT_MAX[fmt]
     y = x.float()
     data = (y * scale).clamp(-fmt_max, fmt_max)  # NaN stays NaN through the clamp
-    # An input infinity (which the clamp made +-max) stays infinite in E5M2; E4M3
-    # (float8_e4m3fn) has none, so it becomes NaN there, as in eager.
-    infinite = y.abs() == math.inf
-    data = torch.where(infinite, math.nan if fmt == "e4m3" else y, data)
+    if fmt == "e4m3":
+        # E4M3 (float8_e4m3fn) has no infinity: an input inf becomes NaN, and every NaN
+        # the positive one, as eager's nan_to_num makes them (a -NaN kept its sign here).
+        data = torch.where(torch.isfinite(y), data, math.nan)
+    else:  # an input infinity (which the clamp made +-max) stays infinite in E5M2
+        data = torch.where(y.abs() == math.inf, y, data)
     return data.to(FP8_DTYPES[fmt])
 
 

@@ -49,6 +49,13 @@ def quantize_tiles(
     op = fused_op("quantize_blocks", m)
     if op is not None:  # amax, scale and cast of every tile in one operator
         return op(m, tile_rows, FP8_DTYPES[fmt], power_2, epsilon)
+    return quantize_tiles_reference(m, tile_rows, fmt, power_2, epsilon)
+
+
+def quantize_tiles_reference(
+    m: torch.Tensor, tile_rows: int, fmt: str, power_2: bool, epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_tiles`` in PyTorch operations (the definition the fused operators match)."""
     m = m.contiguous()
     rows, cols = m.shape
     if m.numel() == 0:

@@ -70,6 +70,13 @@ def quantize_blocks(m: torch.Tensor, fmt: str, rule: str) -> tuple[torch.Tensor,
     op = fused_op("quantize_mxfp8", m)
     if op is not None:  # amax, exponent and cast of every block in one operator
         return op(m, FP8_DTYPES[fmt], rule == "ocp")
+    return quantize_blocks_reference(m, fmt, rule)
+
+
+def quantize_blocks_reference(
+    m: torch.Tensor, fmt: str, rule: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_blocks`` in PyTorch operations (the definition the fused operators match)."""
     m = m.contiguous()
     rows, cols = m.shape
     blocks = m.reshape(rows, cols // MX_BLOCK, MX_BLOCK).float()

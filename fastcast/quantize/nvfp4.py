@@ -43,7 +43,7 @@ code for 6, block scales at 448.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -81,9 +81,10 @@ def _round_nearest_even(mag: torch.Tensor) -> torch.Tensor:
     return codes
 
 
-def _round_stochastic(mag: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _round_stochastic(mag: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
     """E2M1 magnitude codes, rounding up with probability (mag - lower) / step; NaN gives 0.
 
+    ``draw`` holds one uniform [0, 1) FP32 number per element, in ``mag``'s order.
     Exact in FP32: the grid spacing is 0.5 below 2, 1 below 4 and 2 up to 6, all powers of
     two. A value on the grid has probability 0 of moving, and so has one clamped to 6.
     """
@@ -92,8 +93,7 @@ def _round_stochastic(mag: torch.Tensor, generator: torch.Generator | None) -> t
     units = clamped.div_(step)  # the value in steps of its binade
     lower = units.floor()
     units -= lower  # the fraction of a step above the grid value below
-    draw = torch.rand(mag.shape, generator=generator, dtype=torch.float32, device=mag.device)
-    lower += draw < units
+    lower += draw.reshape(mag.shape) < units
     # Every value is now on the grid, where rounding to nearest is the identity.
     return _round_nearest_even(lower.mul_(step))
 
@@ -117,13 +117,13 @@ def _encode(
     mag: torch.Tensor,
     block_amax: torch.Tensor,
     s_enc: torch.Tensor,
-    stochastic: bool,
-    generator: torch.Generator | None,
+    draw: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Signed E2M1 codes (uint8, shaped like ``blocks``) and E4M3 block scales.
 
     ``blocks`` is ``[rows/tr, tr, cols/16, 16]`` (FP32), ``mag`` its magnitudes (a
-    temporary, overwritten) and ``block_amax`` its per-tile max ``[rows/tr, cols/16]``.
+    temporary, overwritten) and ``block_amax`` its per-tile max ``[rows/tr, cols/16]``;
+    ``draw``: stochastic rounding's numbers, in ``blocks``' order (None: to nearest).
     """
     # TE's formulas (see the module docstring), FP32 step by step: the block scale
     # amax_b * (s_enc * (1/6)) and the multiplier 1 / (s_dec * (1/s_enc)). Equivalent in
@@ -137,8 +137,8 @@ def _encode(
         s_dec_f32 == 0, 0.0, s_dec_f32.mul_(s_dec_global).reciprocal_().clamp_max_(FP32_MAX)
     )
     scaled = mag.mul_(encode[:, None, :, None])
-    if stochastic:
-        codes = _round_stochastic(scaled, generator)
+    if draw is not None:
+        codes = _round_stochastic(scaled, draw)
     else:
         codes = _round_nearest_even(scaled)
     codes.add_(blocks < 0, alpha=8)  # the sign bit; NaN and -0.0 compare False: code +0
@@ -260,70 +260,12 @@ class NVFP4Quantizer:
     ) -> NVFP4Tensor:
         """``quantize`` without the transform (shapes checked)."""
         rows, cols = matrix.shape
-        op = fused_op("quantize_nvfp4", x)
-        if op is not None:  # both passes in one operator
-            return self._quantize_fused(op, x, rows, cols, rowwise, columnwise, generator)
-        matrix = matrix.float()
-        tile_rows = BLOCK if self.block_2d else 1
-        sr, gen = self.stochastic_rounding, generator
-
-        data = scale_inv = data_t = scale_inv_t = None
-        s_enc = None
-        if rowwise or self.block_2d:
-            blocks, mag, amax = _tiles(matrix, tile_rows)
-            s_enc = _global_encode_scale(mag)
-            codes, scales = _encode(blocks, mag, amax, s_enc, sr, gen)
-            codes = codes.reshape(rows, cols)
-            if rowwise:
-                data = _pack(codes).reshape(*x.shape[:-1], cols // 2)
-                scale_inv = scales
-        if columnwise:
-            if self.block_2d:
-                # The same tiles, transposed: codes and scales move, nothing is re-rounded.
-                data_t = _pack(codes.t())
-                scale_inv_t = scales.t().contiguous()
-            else:
-                blocks, mag, amax = _tiles(matrix.t(), 1)
-                if s_enc is None:
-                    s_enc = _global_encode_scale(mag)
-                codes_t, scale_inv_t = _encode(blocks, mag, amax, s_enc, sr, gen)
-                data_t = _pack(codes_t.reshape(cols, rows))
-
-        block = (tile_rows, BLOCK)
-        return NVFP4Tensor(
-            fmt=self.fmt,
-            shape=x.shape,
-            dtype=x.dtype,
-            data=data,
-            scale_inv=scale_inv,
-            block=block,
-            data_t=data_t,
-            scale_inv_t=scale_inv_t,
-            block_t=block,
-            global_scale_inv=s_enc.reciprocal(),
-        )
-
-    def _quantize_fused(
-        self,
-        op: Any,
-        x: torch.Tensor,
-        rows: int,
-        cols: int,
-        rowwise: bool,
-        columnwise: bool,
-        generator: torch.Generator | None,
-    ) -> NVFP4Tensor:
-        """``quantize`` by the fused operator, bit for bit. Stochastic rounding takes its
-        draws from the calls the reference makes (same shapes, same order, so the same
-        numbers and the same generator state after), as the operator's inputs."""
         rand = rand_t = None
         if self.stochastic_rounding:
-            draw = dict(generator=generator, dtype=torch.float32, device=x.device)
-            if rowwise or self.block_2d:  # the row-wise codes (16x16: both layouts')
-                rand = torch.rand((rows, cols), **draw)
-            if columnwise and not self.block_2d:  # the codes of x.t()
-                rand_t = torch.rand((cols, rows), **draw)
-        data, scale_inv, data_t, scale_inv_t, global_scale_inv = op(
+            rand, rand_t = _draws(x, rows, cols, self.block_2d, rowwise, columnwise, generator)
+        op = fused_op("quantize_nvfp4", x)
+        quantize = quantize_reference if op is None else op  # both passes in one operator
+        data, scale_inv, data_t, scale_inv_t, global_scale_inv = quantize(
             x, self.block_2d, rowwise, columnwise, self.stochastic_rounding, rand, rand_t
         )
         block = (BLOCK if self.block_2d else 1, BLOCK)
@@ -339,3 +281,69 @@ class NVFP4Quantizer:
             block_t=block,
             global_scale_inv=global_scale_inv,
         )
+
+
+def _draws(
+    x: torch.Tensor,
+    rows: int,
+    cols: int,
+    block_2d: bool,
+    rowwise: bool,
+    columnwise: bool,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Stochastic rounding's numbers, drawn before the quantize (so that the fused and
+    compiled operators take them as inputs and match the reference bit for bit): those of
+    the row-wise codes (16x16: both layouts'), laid out like ``x`` ``[R, K]``, then those
+    of the 1x16 column-wise codes ``[K, R]``, each only where those codes are computed."""
+    draw = dict(generator=generator, dtype=torch.float32, device=x.device)
+    rand = torch.rand((rows, cols), **draw) if rowwise or block_2d else None
+    rand_t = torch.rand((cols, rows), **draw) if columnwise and not block_2d else None
+    return rand, rand_t
+
+
+def quantize_reference(
+    x: torch.Tensor,
+    block_2d: bool,
+    rowwise: bool,
+    columnwise: bool,
+    stochastic: bool,
+    rand: torch.Tensor | None,
+    rand_t: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 of ``x`` in PyTorch operations (the definition the fused operators match),
+    with their signature and results (``kernels/fake.py``): data ``[R, K/2]``, scale_inv,
+    data_t ``[K, R/2]``, scale_inv_t (each with 0 rows where its layout was not asked
+    for) and global_scale_inv. ``rand``, ``rand_t``: stochastic rounding's numbers
+    (``_draws``)."""
+    matrix = as_matrix(x).float()
+    rows, cols = matrix.shape
+    tile_rows = BLOCK if block_2d else 1
+    data = scale_inv = data_t = scale_inv_t = s_enc = None
+    if rowwise or block_2d:
+        blocks, mag, amax = _tiles(matrix, tile_rows)
+        s_enc = _global_encode_scale(mag)
+        codes, scales = _encode(blocks, mag, amax, s_enc, rand if stochastic else None)
+        codes = codes.reshape(rows, cols)
+        if rowwise:
+            data, scale_inv = _pack(codes), scales
+    if columnwise:
+        if block_2d:
+            # The same tiles, transposed: codes and scales move, nothing is re-rounded.
+            data_t, scale_inv_t = _pack(codes.t()), scales.t().contiguous()
+        else:
+            blocks, mag, amax = _tiles(matrix.t(), 1)
+            if s_enc is None:
+                s_enc = _global_encode_scale(mag)
+            draw = rand_t if stochastic else None
+            codes_t, scale_inv_t = _encode(blocks, mag, amax, s_enc, draw)
+            data_t = _pack(codes_t.reshape(cols, rows))
+    # The layouts not asked for, as the operators return them: no rows.
+    blocks_k, strips = cols // BLOCK, rows // BLOCK
+    if data is None:
+        data = matrix.new_empty((0, cols // 2), dtype=torch.uint8)
+        scale_inv = matrix.new_empty((0, blocks_k), dtype=torch.float8_e4m3fn)
+    if data_t is None:
+        data_t = matrix.new_empty((0, rows // 2), dtype=torch.uint8)
+        scale_inv_t = matrix.new_empty((0, strips), dtype=torch.float8_e4m3fn)
+    return data, scale_inv, data_t, scale_inv_t, s_enc.reciprocal()

@@ -37,7 +37,13 @@ def quantize_with_scale(
 ) -> Float8Tensor:
     """Quantize ``x`` with the per-tensor ``scale`` (FP32 scalar tensor)."""
     op = tensorwise_op(x)
-    if op is not None and scale.is_cpu and scale.numel() == 1 and scale.dtype == torch.float32:
+    # The operator takes a one-element FP32 scale on x's side of the CPU/GPU divide.
+    if (
+        op is not None
+        and scale.is_cpu == x.is_cpu
+        and scale.numel() == 1
+        and scale.dtype == torch.float32
+    ):
         data, scale_inv, _ = op(x, scale, FP8_DTYPES[fmt], False, 0.0, True, False)
     else:
         data = scale_and_cast(x, scale, fmt)
@@ -193,9 +199,14 @@ def record_amax(slot: torch.Tensor, x: torch.Tensor) -> None:
     (``torch.amp.GradScaler``) sees them and skips that step anyway.
     """
     op = fused_op("record_amax", x)
-    if op is not None and slot.is_cpu:  # one pass, one dispatch
+    if op is not None and slot.is_cpu == x.is_cpu:  # one pass, one dispatch
         op(slot, x)
         return
+    record_amax_reference(slot, x)
+
+
+def record_amax_reference(slot: torch.Tensor, x: torch.Tensor) -> None:
+    """``record_amax`` in PyTorch operations (the definition the fused operators match)."""
     # NaN and inf become 0, which never raises the slot (an amax is >= 0): no host sync.
     amax = tensor_amax(x).nan_to_num_(nan=0.0, posinf=0.0)
     torch.maximum(slot, amax.reshape(slot.shape), out=slot)
