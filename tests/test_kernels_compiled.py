@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,8 +22,10 @@ from fastcast.kernels import choice, compiled
 from fastcast.quantize.block import BlockScalingQuantizer
 from fastcast.quantize.mx import MXFP8Quantizer
 from fastcast.quantize.nvfp4 import NVFP4Quantizer
+from fastcast.quantize.rowwise import RowwiseQuantizer
 from fastcast.quantize.tensorwise import (
     CurrentScalingQuantizer,
+    DelayedScalingQuantizer,
     quantize_with_scale,
     record_amax,
 )
@@ -258,13 +261,50 @@ def test_nvfp4(modes):
         gen = torch.Generator().manual_seed(5)
         for dtype, q, shapes in cases:
             inputs = [_sample_blocks(s, dtype, i, (1, 16)) for i, s in enumerate(shapes)]
-            # (NVFP4's FP4 codes have no fused dequantization: only the quantize is new.)
-            out += _quantize_all(q, inputs, dequantize=False, columnwise=True, generator=gen)
+            out += _quantize_all(q, inputs, columnwise=True, generator=gen)
         return out, gen.get_state()
 
     (want, want_state), (got, got_state) = _both(modes, run)
     _assert_all_same(got, want)
     assert torch.equal(got_state, want_state)  # the same draws, from the same generator
+
+
+def test_rowwise(modes):
+    # Per row and per column (the column-wise layout), power-of-2 and FP32 scales.
+    cases = [
+        (torch.float32, RowwiseQuantizer("e4m3", True), [(33, 70), (2, 17, 40)]),
+        (torch.bfloat16, RowwiseQuantizer("e5m2", False), [(16, 40), (48, 24)]),
+    ]
+
+    def run():
+        out = []
+        for dtype, q, shapes in cases:
+            inputs = [_sample(s, dtype, 20 + i) for i, s in enumerate(shapes)]
+            out += _quantize_all(q, inputs, q.fmt == "e4m3", columnwise=True)
+        return out
+
+    want, got = _both(modes, run)
+    _assert_all_same(got, want)
+
+
+def test_delayed_quantize_records_and_casts(modes):
+    # Delayed scaling's one-pass operator: the codes with the scale given, and the slot.
+    def run():
+        meta = SimpleNamespace(
+            scale_views=list(torch.tensor([0.5, 3e30]).split(1)),
+            amax_slots=list(torch.zeros(2).split(1)),
+        )
+        out = []
+        for i, shape in enumerate([(7, 40), (3, 5, 129)]):
+            for index, fmt in ((0, "e4m3"), (1, "e5m2")):
+                x = _sample(shape, torch.float32, 30 + i).nan_to_num(posinf=1.0, neginf=-1.0)
+                q = DelayedScalingQuantizer(meta, index, fmt).quantize(x, columnwise=True)
+                out.append((q, None))
+        return out, torch.cat(meta.amax_slots)
+
+    (want, want_slots), (got, got_slots) = _both(modes, run)
+    _assert_all_same(got, want)
+    assert torch.equal(got_slots.view(torch.int32), want_slots.view(torch.int32))
 
 
 def test_linear_forward_and_backward(modes):

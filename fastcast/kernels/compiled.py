@@ -14,10 +14,7 @@ results are the reference's bit for bit, generator state included.
 
 ``scaled_mm_tensorwise`` has no compiled form: on CUDA ``torch._scaled_mm`` runs the FP8
 tensor cores, which a compiled emulation could only slow down, and on the CPU its values
-are those of the C++ GEMM (which only saves passes). Not compiled yet (their callers run
-the reference where ``fused_op`` gives None): ``quantize_recording`` (delayed scaling
-then records and quantizes in two compiled operators), ``quantize_rows`` and
-``dequantize_nvfp4``.
+are those of the C++ GEMM (which only saves passes).
 """
 
 from __future__ import annotations
@@ -28,11 +25,11 @@ from typing import Any
 
 import torch
 
-from ..quantize import block, mx, nvfp4
+from ..quantize import block, mx, nvfp4, rowwise
 from ..quantize.base import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
 from ..quantize.tensorwise import record_amax_reference
 from ..recipe import ELEMENT_MAX
-from ..tensor import FP8_DTYPES, apply_scales, decode_e8m0
+from ..tensor import FP8_DTYPES, apply_scales, decode_e8m0, unpack_e2m1
 
 _FORMATS = {dtype: fmt for fmt, dtype in FP8_DTYPES.items()}
 
@@ -62,6 +59,19 @@ def quantize_tensorwise(
 
 def record_amax(slot: torch.Tensor, x: torch.Tensor) -> None:
     record_amax_reference(slot, x)
+
+
+def quantize_recording(
+    x: torch.Tensor, scale: torch.Tensor, slot: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    record_amax_reference(slot, x)  # one graph: Inductor reads x once for both
+    return scale_and_cast(x, scale, _FORMATS[dtype]), scale.reciprocal()
+
+
+def quantize_rows(
+    m: torch.Tensor, dtype: torch.dtype, power_2: bool, columns: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return rowwise.quantize_rows_reference(m, _FORMATS[dtype], power_2, columns)
 
 
 def quantize_blocks(
@@ -97,13 +107,25 @@ def dequantize_blocks(
     return apply_scales(data.float(), values, (block_rows, block_cols))
 
 
+def dequantize_nvfp4(
+    data: torch.Tensor, scales: torch.Tensor, global_scale_inv: torch.Tensor, block_rows: int
+) -> torch.Tensor:
+    # NVFP4Tensor's reference: E2M1 codes unpacked, each block's E4M3 scale times the
+    # tensor scale (rounded to FP32), then the values times their block's scale.
+    values = unpack_e2m1(data)
+    return apply_scales(values, scales.float() * global_scale_inv.float(), (block_rows, 16))
+
+
 FUNCTIONS: dict[str, Callable[..., Any]] = {
     "quantize_tensorwise": quantize_tensorwise,
     "record_amax": record_amax,
+    "quantize_recording": quantize_recording,
     "quantize_blocks": quantize_blocks,
+    "quantize_rows": quantize_rows,
     "quantize_mxfp8": quantize_mxfp8,
     "quantize_nvfp4": quantize_nvfp4,
     "dequantize_blocks": dequantize_blocks,
+    "dequantize_nvfp4": dequantize_nvfp4,
 }
 
 # The compiled wrappers by operator name, made once per process (a process fact: each

@@ -46,6 +46,17 @@ def row_amax(m: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.maximum(top, m.amin(dim=dim, keepdim=True).float().neg_())
 
 
+def quantize_rows_reference(
+    m: torch.Tensor, fmt: str, power_2: bool, columns: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The matrix ``m`` ``[R, K]`` quantized with one scale per row (``scale_inv``
+    ``[R, 1]``) or, with ``columns``, per column (``[1, K]``), codes in ``m``'s layout:
+    what the fused ``quantize_rows`` operator computes."""
+    amax = row_amax(m, 0 if columns else 1)
+    scale = scale_from_amax(amax, ELEMENT_MAX[fmt], power_2=power_2)
+    return scale_and_cast(m, scale, fmt), scale.reciprocal()
+
+
 @dataclasses.dataclass(frozen=True)
 class RowwiseQuantizer:
     """FP8 with one FP32 scale per row of each layout. A value object.
@@ -86,35 +97,32 @@ class RowwiseQuantizer:
             raise ValueError(f"{type(self).__name__}: ask for rowwise and/or columnwise data")
         m = as_matrix(x)
         data = scale_inv = data_t = scale_inv_t = None
+        # The fused operator where there is one (on the CPU: each row's amax and cast while
+        # it is in cache), else the reference; the same values.
         op = fused_op("quantize_rows", m)
         dtype, power_2 = FP8_DTYPES[self.fmt], self.power_2_scales
-        if rowwise and op is not None:  # amax and cast of each row while it is in cache
-            data, scale_inv = op(m, dtype, power_2, False)
-            data = data.reshape(x.shape)
-        elif rowwise:
-            amax = row_amax(m, 1)  # [R, 1]
-            scale = self._scale(amax)
-            data = scale_and_cast(m, scale, self.fmt).reshape(x.shape)
-            scale_inv = scale.reciprocal()
-        if columnwise and op is not None and not self.columnwise_per_tensor:
-            codes, scale_inv_t = op(m, dtype, power_2, True)  # per column of m
-            data_t = codes.t()  # the CPU GEMM and the emulation take the view
-            scale_inv_t = scale_inv_t.reshape(-1, 1)
-        elif columnwise:
-            if self.columnwise_per_tensor:
-                # The max of the row amaxes when there are any (NaN propagates).
-                whole = amax.max() if rowwise and op is None and m.shape[0] else tensor_amax(m)
-                scale_t = self._scale(whole).expand(1, m.shape[1])
+        if rowwise:
+            if op is not None:
+                data, scale_inv = op(m, dtype, power_2, False)
             else:
-                scale_t = self._scale(row_amax(m, 0))  # [1, K]: per column of m
+                data, scale_inv = quantize_rows_reference(m, self.fmt, power_2, False)
+            data = data.reshape(x.shape)
+        if columnwise:
             # Cast in m's layout (rows of x.T are m's columns: elementwise, the same
             # codes), then transpose the FP8 bytes rather than copy m transposed.
+            if self.columnwise_per_tensor:
+                scale_t = self._scale(tensor_amax(m)).expand(1, m.shape[1])
+                codes, scale_inv_t = scale_and_cast(m, scale_t, self.fmt), scale_t.reciprocal()
+            elif op is not None:
+                codes, scale_inv_t = op(m, dtype, power_2, True)  # per column of m
+            else:
+                codes, scale_inv_t = quantize_rows_reference(m, self.fmt, power_2, True)
             # The CPU GEMM and the emulation take the transposed view as it is; CUDA
             # kernels and Inductor's lowering want it materialised.
-            data_t = scale_and_cast(m, scale_t, self.fmt).t()
-            if data_t.device.type != "cpu" or torch.compiler.is_compiling():
+            data_t = codes.t()
+            if not data_t.is_cpu or torch.compiler.is_compiling():
                 data_t = data_t.contiguous()
-            scale_inv_t = scale_t.reciprocal().reshape(-1, 1).contiguous()
+            scale_inv_t = scale_inv_t.reshape(-1, 1).contiguous()
         return Float8Tensor(
             fmt=self.fmt,
             shape=x.shape,

@@ -163,7 +163,7 @@ class DelayedScalingQuantizer:
         if self.recording:
             slot, scale = self.meta.amax_slots[self.index], self.scale
             op = fused_op("quantize_recording", x)
-            if op is not None and slot.is_cpu and scale.is_cpu:  # one pass over x
+            if op is not None and slot.is_cpu == scale.is_cpu == x.is_cpu:  # one pass over x
                 data, scale_inv = op(x, scale, slot, FP8_DTYPES[self.fmt])
                 return _float8(x, self.fmt, data, scale_inv, rowwise, columnwise)
             record_amax(slot, x)
