@@ -8,6 +8,7 @@ in E4M3 (which has no infinity). Everything is float64 or pure Python.
 
 from __future__ import annotations
 
+import math
 import struct
 
 import torch
@@ -69,6 +70,22 @@ def decode_fp8(codes: torch.Tensor, fmt: str) -> torch.Tensor:
 def to_f32(v: float) -> float:
     """Round a Python float to the nearest FP32 value."""
     return struct.unpack("f", struct.pack("f", v))[0]
+
+
+def reference_scale(amax: float, fmt: str, power_2: bool = False, eps: float = 0.0) -> float:
+    """A quantization scale by its definition, as an FP32 value: ``fmt_max / max(amax,
+    eps)`` rounded once to FP32, the FP32 max where the quotient is beyond it, 1.0 for an
+    amax that is 0, NaN or infinite; with ``power_2`` the largest power of two not above."""
+    if math.isnan(amax) or math.isinf(amax):
+        return 1.0
+    amax = max(amax, eps)
+    if amax == 0:
+        return 1.0
+    quotient = FMT_MAX[fmt] / amax
+    scale = FP32_MAX if quotient >= FP32_MAX else to_f32(quotient)
+    if power_2:
+        scale = 2.0 ** (math.frexp(scale)[1] - 1)  # largest power of two <= scale
+    return scale
 
 
 def assert_codes_equal(data: torch.Tensor, expected: torch.Tensor, fmt: str) -> None:

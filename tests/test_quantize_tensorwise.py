@@ -22,6 +22,7 @@ from fp8_reference import (
     GRIDS,
     assert_codes_equal,
     encode_fp8,
+    reference_scale,
     to_f32,
 )
 from hypothesis import given, settings
@@ -45,18 +46,7 @@ REL_ERR = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
 
 
 # -- reference ---------------------------------------------------------------------------------
-def ref_scale(amax: float, fmt: str, power_2: bool = False, eps: float = 0.0) -> float:
-    """The per-tensor quantization scale, by its definition, as an FP32 value."""
-    if math.isnan(amax) or math.isinf(amax):
-        return 1.0
-    amax = max(amax, eps)
-    if amax == 0:
-        return 1.0
-    quotient = FMT_MAX[fmt] / amax
-    scale = FP32_MAX if quotient >= FP32_MAX else to_f32(quotient)
-    if power_2:
-        scale = 2.0 ** (math.frexp(scale)[1] - 1)  # largest power of two <= scale
-    return scale
+ref_scale = reference_scale  # (fp8_reference.py: the definition, shared)
 
 
 def ref_amax(x: torch.Tensor) -> float:

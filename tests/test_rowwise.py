@@ -17,7 +17,14 @@ import math
 
 import pytest
 import torch
-from fp8_reference import FMT_MAX, FP32_MAX, assert_codes_equal, decode_fp8, encode_fp8, to_f32
+from fp8_reference import (
+    FP32_MAX,
+    assert_codes_equal,
+    decode_fp8,
+    encode_fp8,
+    reference_scale,
+    to_f32,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -50,15 +57,7 @@ HP = fc.Float8RowwiseScaling(wgrad_high_precision=True)
 
 
 # -- reference -----------------------------------------------------------------------------
-def ref_scale(amax: float, fmt: str, power_2: bool) -> float:
-    """One row's quantization scale, by its definition, as an FP32 value."""
-    if not math.isfinite(amax) or amax == 0:
-        return 1.0
-    quotient = FMT_MAX[fmt] / amax
-    scale = FP32_MAX if quotient >= FP32_MAX else to_f32(quotient)
-    if power_2:
-        scale = 2.0 ** (math.frexp(scale)[1] - 1)  # largest power of two <= scale
-    return scale
+ref_scale = reference_scale  # one row's scale (fp8_reference.py: the definition)
 
 
 def ref_amax(row: torch.Tensor) -> float:
