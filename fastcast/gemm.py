@@ -21,7 +21,6 @@ from .tensor import WHOLE, QuantizedTensor
 BACKENDS = ("hardware", "emulate")
 
 
-@annotate("fastcast.scaled_mm")
 def scaled_mm(
     a: QuantizedTensor,
     b: QuantizedTensor,
@@ -51,7 +50,37 @@ def scaled_mm(
             )
     else:
         raise ValueError(f"scaled_mm: backend must be one of {BACKENDS} or None, got {backend!r}")
+    return _product(a, b, out_dtype, bias, accumulate, chosen, device_type)
 
+
+def operands_product(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``scaled_mm`` of operands fastcast made itself (``fc.Linear``'s GEMMs): the same
+    product on the chosen backend, without re-checking what the quantizers guarantee
+    (types, layouts, shapes, devices), which costs as much as a 16x16 GEMM."""
+    data = a.data
+    device_type = "cpu" if data.is_cpu else data.device.type
+    fa, fb = a.family, b.family
+    chosen, reason = hardware.gemm_backend(device_type, fa if fa == fb else "mixed")
+    if chosen is None:
+        raise RuntimeError(f"scaled_mm: {reason}")
+    return _product(a, b, out_dtype, bias, None, chosen, device_type)
+
+
+@annotate("fastcast.scaled_mm")
+def _product(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    accumulate: torch.Tensor | None,
+    chosen: str,
+    device_type: str,
+) -> torch.Tensor:
     hardware_path = chosen == "hardware" and runs_kernel(a, b, device_type)
     gemm = _scaled_mm_hardware if hardware_path else _scaled_mm_emulated
     if torch.is_autocast_enabled(device_type):

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..gemm import scaled_mm
+from ..gemm import operands_product
 from ..profiling import annotate
 from ..tensor import QuantizedTensor
 from .weight_cache import WeightCache, quantize_weight
@@ -41,7 +41,7 @@ def forward_gemm(
     elif w_q is None:
         w_q = quantize_weight(weight_cache, weight, call.weight_q, first, need_dgrad)
         w_q = call.remember_weight(w_q)
-    out = scaled_mm(x_q, w_q, out_dtype=_output_dtype(x), bias=bias)
+    out = operands_product(x_q, w_q, _output_dtype(x), bias)
     call.forward_done()
     return out, x_q, w_q
 
@@ -112,11 +112,11 @@ class LinearFunction(torch.autograd.Function):
         if need_dgrad or fp8_wgrad:
             g_q = call.grad_q.quantize(g2d, rowwise=need_dgrad, columnwise=fp8_wgrad)
         if need_dgrad:  # [M, N] @ [N, K]
-            dgrad = scaled_mm(g_q, w_t, out_dtype=x_dtype)
+            dgrad = operands_product(g_q, w_t, x_dtype)
             if len(x_shape) != 2:
                 dgrad = dgrad.reshape(x_shape)
         if fp8_wgrad:  # [N, M] @ [M, K]
-            wgrad = scaled_mm(g_q.columnwise_operand(), x_t, out_dtype=w_dtype)
+            wgrad = operands_product(g_q.columnwise_operand(), x_t, w_dtype)
         elif need_wgrad:
             wgrad = _wgrad_high_precision(g2d, saved[-1], hp_dtype, w_dtype)
         if need_bgrad:

@@ -69,16 +69,16 @@ def _float8(
         data_t = as_matrix(data).t()
         if not data_t.is_cpu or torch.compiler.is_compiling():
             data_t = data_t.contiguous()
-    return Float8Tensor(
-        fmt=fmt,
-        shape=x.shape,
-        dtype=x.dtype,
-        data=data if rowwise else None,
-        scale_inv=scale_inv if rowwise else None,
-        block=WHOLE,
-        data_t=data_t,
-        scale_inv_t=scale_inv if columnwise else None,
-        block_t=WHOLE,
+    return Float8Tensor.assemble(
+        fmt,
+        x.shape,
+        x.dtype,
+        data if rowwise else None,
+        scale_inv if rowwise else None,
+        WHOLE,
+        data_t,
+        scale_inv if columnwise else None,
+        WHOLE,
     )
 
 

@@ -42,6 +42,21 @@ at::Tensor widen(const at::Tensor& t, const at::Tensor& scale) {
   return out;
 }
 
+// out += bias, each row, in FP32 (out.add_(bias)'s values: the bias widened exactly,
+// one FP32 addition), without dispatching an op: at small shapes that costs more.
+void add_bias(at::Tensor& out, const at::Tensor& bias) {
+  const int64_t rows = out.size(0), cols = out.size(1);
+  if (!(out.is_contiguous() && bias.dim() == 1 && bias.size(0) == cols && bias.is_cpu())) {
+    out.add_(bias);
+    return;
+  }
+  const at::Tensor b = bias.to(at::kFloat).contiguous();  // no copy for an FP32 bias
+  const float* add = b.const_data_ptr<float>();
+  float* y = out.mutable_data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) y[r * cols + c] += add[c];
+}
+
 at::Tensor scaled_mm_tensorwise(const at::Tensor& a, const at::Tensor& b,
                                 const at::Tensor& scale_a, const at::Tensor& scale_b,
                                 const std::optional<at::Tensor>& bias,
@@ -53,7 +68,7 @@ at::Tensor scaled_mm_tensorwise(const at::Tensor& a, const at::Tensor& b,
   }
   TORCH_CHECK(a.size(1) == b.size(1), "scaled_mm_tensorwise: contraction dims differ");
   at::Tensor out = at::mm(widen(a, scale_a), widen(b, scale_b).t());
-  if (bias.has_value()) out.add_(*bias);  // in FP32, as the kernel's epilogue
+  if (bias.has_value()) add_bias(out, *bias);  // in FP32, as the kernel's epilogue
   return out_dtype == at::kFloat ? out : out.to(out_dtype);
 }
 
