@@ -33,6 +33,9 @@ constexpr int64_t kMxBlock = 32;    // MXFP8: block extent along K
 // (or two) of each source row the panel reads.
 constexpr int64_t kPanelRows = 32;
 constexpr int64_t kPanelCols = 128;
+// The panel buffer's row stride: not a power of two, so that the gather's column of
+// writes (one per row) spreads over the L1 cache's sets instead of thrashing a few.
+constexpr int64_t kPanelLd = kPanelCols + 16;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -63,13 +66,13 @@ void for_each_row_run(int64_t begin, int64_t end, int64_t per_row, Fn&& fn) {
 }
 
 // Rows [r0, r0 + rows) and columns [c0, c0 + cols) of the transposed source x, widened
-// into buf (row-major, rows of kPanelCols). The loops read x in memory order.
+// into buf (row-major, rows kPanelLd apart). The loops read x in memory order.
 template <typename T>
 inline void gather_panel(const T* x, int64_t ld, int64_t r0, int64_t rows, int64_t c0,
                          int64_t cols, float* __restrict buf) {
   for (int64_t c = 0; c < cols; ++c) {
     const T* src = x + (c0 + c) * ld + r0;
-    for (int64_t r = 0; r < rows; ++r) buf[r * kPanelCols + c] = widen(src[r]);
+    for (int64_t r = 0; r < rows; ++r) buf[r * kPanelLd + c] = widen(src[r]);
   }
 }
 
@@ -117,7 +120,7 @@ void quantize_panel(const T* x, int64_t ld, int64_t r0, int64_t rows, int64_t j,
   for (int64_t s = 0; s < rows; s += p.tile_rows) {
     const int64_t r = r0 + s, band_rows = std::min(p.tile_rows, rows - s);
     scale_inv[(r / p.tile_rows) * col_tiles + j] = quantize_tile<float, F8>(
-        buf + s * kPanelCols, kPanelCols, band_rows, width, out + r * cols + c0, cols, p);
+        buf + s * kPanelLd, kPanelLd, band_rows, width, out + r * cols + c0, cols, p);
   }
 }
 
@@ -144,7 +147,7 @@ void blocks_typed(const at::Tensor& m, Layout layout, const BlockParams& p, at::
   const int64_t panel_rows = std::max(p.tile_rows, kPanelRows);
   const int64_t grain = std::max<int64_t>(1, kGrain / (panel_rows * kTileCols));
   at::parallel_for(0, ceil_div(rows, panel_rows) * col_tiles, grain, [&](int64_t b, int64_t e) {
-    std::vector<float> buf(panel_rows * kPanelCols);
+    std::vector<float> buf(panel_rows * kPanelLd);
     for (int64_t panel = b; panel < e; ++panel) {
       const int64_t r0 = (panel / col_tiles) * panel_rows;
       quantize_panel<T, F8>(x, ld, r0, std::min(panel_rows, rows - r0), panel % col_tiles, cols,
@@ -262,7 +265,7 @@ void mx_typed(const at::Tensor& m, Layout layout, const MxParams& p, at::Tensor&
   const int64_t col_panels = ceil_div(cols, kPanelCols);
   const int64_t grain = std::max<int64_t>(1, kGrain / (kPanelRows * kPanelCols));
   at::parallel_for(0, ceil_div(rows, kPanelRows) * col_panels, grain, [&](int64_t b, int64_t e) {
-    std::vector<float> buf(kPanelRows * kPanelCols);
+    std::vector<float> buf(kPanelRows * kPanelLd);
     for (int64_t panel = b; panel < e; ++panel) {
       const int64_t r0 = (panel / col_panels) * kPanelRows;
       const int64_t c0 = (panel % col_panels) * kPanelCols;
@@ -270,7 +273,7 @@ void mx_typed(const at::Tensor& m, Layout layout, const MxParams& p, at::Tensor&
       const int64_t width = std::min(kPanelCols, cols - c0);
       gather_panel(x, ld, r0, height, c0, width, buf.data());
       for (int64_t r = 0; r < height; ++r)
-        quantize_mx_run<float, F8>(buf.data() + r * kPanelCols, width / kMxBlock,
+        quantize_mx_run<float, F8>(buf.data() + r * kPanelLd, width / kMxBlock,
                                    out + (r0 + r) * cols + c0,
                                    exps + (r0 + r) * per_row + c0 / kMxBlock, p);
     }
