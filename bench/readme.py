@@ -310,9 +310,15 @@ def _ratio_cell(ratio: float | None, target: float | None, within: bool = False)
     return f"{cell}: {'pass' if ratio <= target else '**miss**'}"
 
 
+def _in_order(results: dict) -> dict:
+    """``results`` in bench.train_step's order of recipes (the sample's JSON sorts keys)."""
+    order = [name for name in RECIPE_LABELS if name in results]
+    return {name: results[name] for name in order + sorted(set(results) - set(order))}
+
+
 def train_step_table(run: dict) -> list[str]:
     """Eager training steps: step time and losses against the FP32 run."""
-    results = run["results"]
+    results = _in_order(run["results"])
     ref = results.get("fp32") or results.get("bf16")
     rows = []
     for name, r in results.items():
@@ -338,7 +344,7 @@ def train_step_table(run: dict) -> list[str]:
 
 def train_compile_table(run: dict) -> list[str]:
     """Eager against compiled training steps, compile times; current vs torchao."""
-    results = run["results"]
+    results = _in_order(run["results"])
     rows = []
     for name, r in results.items():
         ratio = r["compiled_ms"] / r["eager_ms"]
