@@ -1,7 +1,7 @@
 """Builds and loads the C++ operators (``csrc/``) on first use, once per process.
 
 The library is compiled by ``torch.utils.cpp_extension.load`` (g++ and ninja, about
-10 s on two cores) into a build directory keyed by the source, the flags and the torch
+30 s on two cores) into a build directory keyed by the source, the flags and the torch
 version, so a later process only loads it. ``FASTCAST_KERNELS_DIR`` moves that directory
 (default: ``~/.cache/fastcast/kernels``). A failed build (no compiler, no ninja) warns
 once and leaves the reference path in charge; nothing is compiled at import.
@@ -118,7 +118,7 @@ def load() -> float:
             raise BuildError(f"{type(exc).__name__}: {exc}") from exc
         _module = module
         _loaded_seconds = time.perf_counter() - start
-    # First use builds (about 10 s on two cores); later processes load the cached build.
+    # First use builds (about 30 s on two cores); later processes load the cached build.
     logger.info("fused quantize kernels ready in %.1f s (%s)", _loaded_seconds, directory)
     return _loaded_seconds
 
