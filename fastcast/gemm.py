@@ -64,8 +64,7 @@ def operands_product(
     (types, layouts, shapes, devices), which costs as much as a 16x16 GEMM."""
     data = a.data
     device_type = "cpu" if data.is_cpu else data.device.type
-    fa, fb = a.family, b.family
-    chosen, reason = hardware.gemm_backend(device_type, fa if fa == fb else "mixed")
+    chosen, reason = hardware.gemm_backend(device_type, _product_family(a, b))
     if chosen is None:
         raise RuntimeError(f"scaled_mm: {reason}")
     return _product(a, b, out_dtype, bias, None, chosen, device_type)
@@ -129,9 +128,14 @@ def _check_operands(a: QuantizedTensor, b: QuantizedTensor) -> tuple[str, str]:
                 f"scaled_mm: operands on different devices: {device} and {b_data.device}"
             )
         device_type = device.type
+    return _product_family(a, b), device_type
+
+
+def _product_family(a: QuantizedTensor, b: QuantizedTensor) -> str:
+    """The GEMM family of ``a @ b.T``: mixed families have no common kernel (the
+    emulation handles any pair)."""
     fa, fb = a.family, b.family
-    # Mixed families have no common kernel; the emulation handles any pair.
-    return (fa if fa == fb else "mixed"), device_type
+    return fa if fa == fb else "mixed"
 
 
 def runs_kernel(a: QuantizedTensor, b: QuantizedTensor, device_type: str) -> bool:

@@ -27,6 +27,7 @@ from fp8_reference import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_linear import _saved_tensors
 from torch import nn
 
 import fastcast as fc
@@ -445,18 +446,6 @@ def test_high_precision_wgrad_is_nn_linears_and_the_plain_one_is_not():
         assert not torch.equal(grads["plain"], ref.weight.grad)
 
 
-def _saved(fn):
-    packed = []
-
-    def pack(t):
-        packed.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, packed
-
-
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_high_precision_wgrad_keeps_the_input_itself_and_the_fp8_weight(x_dtype):
     """What backward keeps: the FP8 weight (dgrad) and the input as it came (wgrad), no
@@ -471,7 +460,7 @@ def test_high_precision_wgrad_keeps_the_input_itself_and_the_fp8_weight(x_dtype)
             with mixed, fc.autocast(recipe=recipe):
                 return lin(x)
 
-        return _saved(fn)
+        return _saved_tensors(fn)
 
     y, saved = run(HP)
     inputs = [t for t in saved if t.data_ptr() == x.data_ptr()]
@@ -499,7 +488,7 @@ def test_only_one_gradient_needed():
         lin.requires_grad_(False)
         xg = x.clone().requires_grad_()
         with fc.autocast(recipe=recipe):
-            y, saved = _saved(lambda: lin(xg))  # noqa: B023
+            y, saved = _saved_tensors(lambda: lin(xg))  # noqa: B023
         assert all(t.dtype == torch.float8_e4m3fn or t.numel() <= 64 for t in saved)
         y.backward(g)
         assert_close_to(xg.grad, linear_reference(xg, lin.weight, lin.bias, g, recipe)[1])

@@ -57,10 +57,6 @@ def quantize_tensorwise(
     return (data if rowwise else data.new_empty(0)), scale.reciprocal(), data_t
 
 
-def record_amax(slot: torch.Tensor, x: torch.Tensor) -> None:
-    record_amax_reference(slot, x)
-
-
 def quantize_recording(
     x: torch.Tensor, scale: torch.Tensor, slot: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,18 +82,6 @@ def quantize_mxfp8(
     return mx.quantize_blocks_reference(m, _FORMATS[dtype], "ocp" if ocp else "rceil")
 
 
-def quantize_nvfp4(
-    x: torch.Tensor,
-    block_2d: bool,
-    rowwise: bool,
-    columnwise: bool,
-    stochastic: bool,
-    rand: torch.Tensor | None,
-    rand_t: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return nvfp4.quantize_reference(x, block_2d, rowwise, columnwise, stochastic, rand, rand_t)
-
-
 def dequantize_blocks(
     data: torch.Tensor, scales: torch.Tensor, block_rows: int, block_cols: int
 ) -> torch.Tensor:
@@ -118,12 +102,12 @@ def dequantize_nvfp4(
 
 FUNCTIONS: dict[str, Callable[..., Any]] = {
     "quantize_tensorwise": quantize_tensorwise,
-    "record_amax": record_amax,
+    "record_amax": record_amax_reference,  # the reference has the operator's signature
     "quantize_recording": quantize_recording,
     "quantize_blocks": quantize_blocks,
     "quantize_rows": quantize_rows,
     "quantize_mxfp8": quantize_mxfp8,
-    "quantize_nvfp4": quantize_nvfp4,
+    "quantize_nvfp4": nvfp4.quantize_reference,  # likewise
     "dequantize_blocks": dequantize_blocks,
     "dequantize_nvfp4": dequantize_nvfp4,
 }
@@ -139,11 +123,11 @@ def ops() -> dict[str, Callable[..., Any]]:
     global _ops
     with _lock:
         if _ops is None:
-            _ops = {name: _compile(fn) for name, fn in FUNCTIONS.items()}
+            _ops = {name: _compile(name, fn) for name, fn in FUNCTIONS.items()}
         return _ops
 
 
-def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _compile(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     graphs = torch.compile(
         fn,
         dynamic=True,
@@ -158,7 +142,7 @@ def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
         with torch.no_grad():
             return graphs(*[_plain(a) for a in args])
 
-    call.__name__ = call.__qualname__ = fn.__name__
+    call.__name__ = call.__qualname__ = name  # the operator's
     return call
 
 

@@ -57,6 +57,18 @@ def as_matrix(x: torch.Tensor) -> torch.Tensor:
     return x if len(shape) == 2 else x.reshape(math.prod(shape[:-1]), shape[-1])
 
 
+def transposed_codes(codes: torch.Tensor) -> torch.Tensor:
+    """The column-wise layout ``[K, R]`` of codes cast in the matrix's own layout ``[R, K]``
+    (per-tensor and row-wise FP8: casting is elementwise, so the transposed bytes are the
+    codes of the transposed matrix). The CPU GEMM and the emulation take the transposed
+    view as it is; CUDA kernels, and Inductor's lowering of the CPU kernel, want it
+    materialised."""
+    codes_t = codes.t()
+    if not codes_t.is_cpu or torch.compiler.is_compiling():
+        codes_t = codes_t.contiguous()
+    return codes_t
+
+
 def scale_and_cast(x: torch.Tensor, scale: torch.Tensor | float, fmt: str) -> torch.Tensor:
     """``x * scale`` (an FP32 product; ``scale`` broadcasts to ``x``) as FP8 data, shaped
     like ``x``, which is left untouched.

@@ -27,6 +27,7 @@ from .base import (
     scale_and_cast,
     scale_from_amax,
     tensor_amax,
+    transposed_codes,
 )
 
 PER_ROW = (1, 0)  # the block of one scale per row (``tensor.QuantizedTensor``)
@@ -46,12 +47,25 @@ def row_amax(m: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.maximum(top, m.amin(dim=dim, keepdim=True).float().neg_())
 
 
+def quantize_rows(
+    m: torch.Tensor, fmt: str, power_2: bool, columns: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The matrix ``m`` ``[R, K]`` quantized with one scale per row (``scale_inv``
+    ``[R, 1]``) or, with ``columns``, per column (``[1, K]``), codes in ``m``'s layout: the
+    fused operator where there is one (on the CPU each row's amax and cast while it is in
+    cache), else the reference; the same values."""
+    op = fused_op("quantize_rows", m)
+    if op is not None:
+        return op(m, FP8_DTYPES[fmt], power_2, columns)
+    return quantize_rows_reference(m, fmt, power_2, columns)
+
+
 def quantize_rows_reference(
     m: torch.Tensor, fmt: str, power_2: bool, columns: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The matrix ``m`` ``[R, K]`` quantized with one scale per row (``scale_inv``
     ``[R, 1]``) or, with ``columns``, per column (``[1, K]``), codes in ``m``'s layout:
-    what the fused ``quantize_rows`` operator computes."""
+    ``quantize_rows`` in PyTorch operations (the definition the fused operators match)."""
     amax = row_amax(m, 0 if columns else 1)
     scale = scale_from_amax(amax, ELEMENT_MAX[fmt], power_2=power_2)
     return scale_and_cast(m, scale, fmt), scale.reciprocal()
@@ -97,31 +111,19 @@ class RowwiseQuantizer:
             raise ValueError(f"{type(self).__name__}: ask for rowwise and/or columnwise data")
         m = as_matrix(x)
         data = scale_inv = data_t = scale_inv_t = None
-        # The fused operator where there is one (on the CPU: each row's amax and cast while
-        # it is in cache), else the reference; the same values.
-        op = fused_op("quantize_rows", m)
-        dtype, power_2 = FP8_DTYPES[self.fmt], self.power_2_scales
+        fmt, power_2 = self.fmt, self.power_2_scales
         if rowwise:
-            if op is not None:
-                data, scale_inv = op(m, dtype, power_2, False)
-            else:
-                data, scale_inv = quantize_rows_reference(m, self.fmt, power_2, False)
+            data, scale_inv = quantize_rows(m, fmt, power_2, columns=False)
             data = data.reshape(x.shape)
         if columnwise:
             # Cast in m's layout (rows of x.T are m's columns: elementwise, the same
             # codes), then transpose the FP8 bytes rather than copy m transposed.
             if self.columnwise_per_tensor:
                 scale_t = self._scale(tensor_amax(m)).expand(1, m.shape[1])
-                codes, scale_inv_t = scale_and_cast(m, scale_t, self.fmt), scale_t.reciprocal()
-            elif op is not None:
-                codes, scale_inv_t = op(m, dtype, power_2, True)  # per column of m
+                codes, scale_inv_t = scale_and_cast(m, scale_t, fmt), scale_t.reciprocal()
             else:
-                codes, scale_inv_t = quantize_rows_reference(m, self.fmt, power_2, True)
-            # The CPU GEMM and the emulation take the transposed view as it is; CUDA
-            # kernels and Inductor's lowering want it materialised.
-            data_t = codes.t()
-            if not data_t.is_cpu or torch.compiler.is_compiling():
-                data_t = data_t.contiguous()
+                codes, scale_inv_t = quantize_rows(m, fmt, power_2, columns=True)
+            data_t = transposed_codes(codes)
             scale_inv_t = scale_inv_t.reshape(-1, 1).contiguous()
         return Float8Tensor(
             fmt=self.fmt,

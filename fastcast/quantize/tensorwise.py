@@ -29,6 +29,7 @@ from .base import (
     scale_and_cast,
     scale_from_amax,
     tensor_amax,
+    transposed_codes,
 )
 
 
@@ -36,20 +37,27 @@ def quantize_with_scale(
     x: torch.Tensor, scale: torch.Tensor, fmt: str, rowwise: bool, columnwise: bool
 ) -> Float8Tensor:
     """Quantize ``x`` with the per-tensor ``scale`` (FP32 scalar tensor)."""
-    op = tensorwise_op(x)
-    # The operator takes a one-element FP32 scale on x's side of the CPU/GPU divide.
-    if (
-        op is not None
-        and scale.is_cpu == x.is_cpu
-        and scale.numel() == 1
-        and scale.dtype == torch.float32
-    ):
+    op = _scalar_op("quantize_tensorwise", x, scale)
+    if op is not None:
         data, scale_inv, _ = op(x, scale, FP8_DTYPES[fmt], False, 0.0, True, False)
     else:
         data = scale_and_cast(x, scale, fmt)
         # A fresh tensor, so a later in-place scale update cannot change what this holds.
         scale_inv = scale.reciprocal()
     return _float8(x, fmt, data, scale_inv, rowwise, columnwise)
+
+
+def _scalar_op(name: str, x: torch.Tensor, *scalars: torch.Tensor) -> Any:
+    """The fused operator ``name`` for ``x`` when it can take ``scalars`` (scales, amax
+    slots) too: each a one-element FP32 tensor on x's side of the CPU/GPU divide. None
+    otherwise: the reference runs."""
+    op = fused_op(name, x)
+    if op is None:
+        return None
+    for t in scalars:
+        if t.is_cpu != x.is_cpu or t.numel() != 1 or t.dtype != torch.float32:
+            return None
+    return op
 
 
 def _float8(
@@ -62,13 +70,7 @@ def _float8(
 ) -> Float8Tensor:
     """The quantized tensor holding ``data`` (FP8, shaped like ``x``) in the layouts asked."""
     # Per-tensor FP8 transposes exactly: the column-wise layout is the transposed data.
-    # CUDA kernels need it materialised; the CPU kernel and the emulation take the view.
-    # So does Inductor's lowering of the CPU kernel: compiled code materialises it too.
-    data_t = None
-    if columnwise:
-        data_t = as_matrix(data).t()
-        if not data_t.is_cpu or torch.compiler.is_compiling():
-            data_t = data_t.contiguous()
+    data_t = transposed_codes(as_matrix(data)) if columnwise else None
     return Float8Tensor.assemble(
         fmt,
         x.shape,
@@ -106,7 +108,11 @@ class CurrentScalingQuantizer:
         if self.amax_reduction_group is None:
             op = tensorwise_op(x)
             if op is not None:  # amax, scale and cast in one operator
-                return _quantize_current(op, self, x, rowwise, columnwise)
+                # (The CPU kernel writes the row-wise data only: the column-wise layout
+                # is its transposed view, as in the reference.)
+                fmt, power_2, epsilon = self.fmt, self.power_2_scales, self.amax_epsilon
+                data, scale_inv, _ = op(x, None, FP8_DTYPES[fmt], power_2, epsilon, True, False)
+                return _float8(x, fmt, data, scale_inv, rowwise, columnwise)
         amax = tensor_amax(x)
         if self.amax_reduction_group is not None:
             from ..distributed import all_reduce_max  # noqa: PLC0415 - only with a group
@@ -119,16 +125,6 @@ class CurrentScalingQuantizer:
             epsilon=self.amax_epsilon,
         )
         return quantize_with_scale(x, scale, self.fmt, rowwise, columnwise)
-
-
-def _quantize_current(
-    op: Any, q: CurrentScalingQuantizer, x: torch.Tensor, rowwise: bool, columnwise: bool
-) -> Float8Tensor:
-    """The fused operator's current scaling (the CPU kernel writes the row-wise data
-    only: the column-wise layout is its transposed view, as in the reference)."""
-    fmt = q.fmt
-    data, scale_inv, _ = op(x, None, FP8_DTYPES[fmt], q.power_2_scales, q.amax_epsilon, True, False)
-    return _float8(x, fmt, data, scale_inv, rowwise, columnwise)
 
 
 class DelayedScalingQuantizer:
@@ -162,8 +158,8 @@ class DelayedScalingQuantizer:
         check_input(x)
         if self.recording:
             slot, scale = self.meta.amax_slots[self.index], self.scale
-            op = fused_op("quantize_recording", x)
-            if op is not None and slot.is_cpu == scale.is_cpu == x.is_cpu:  # one pass over x
+            op = _scalar_op("quantize_recording", x, scale, slot)
+            if op is not None:  # one pass over x
                 data, scale_inv = op(x, scale, slot, FP8_DTYPES[self.fmt])
                 return _float8(x, self.fmt, data, scale_inv, rowwise, columnwise)
             record_amax(slot, x)
@@ -198,8 +194,8 @@ def record_amax(slot: torch.Tensor, x: torch.Tensor) -> None:
     non-finite values, so they reach the output or the gradients, where an overflow check
     (``torch.amp.GradScaler``) sees them and skips that step anyway.
     """
-    op = fused_op("record_amax", x)
-    if op is not None and slot.is_cpu == x.is_cpu:  # one pass, one dispatch
+    op = _scalar_op("record_amax", x, slot)
+    if op is not None:  # one pass, one dispatch
         op(slot, x)
         return
     record_amax_reference(slot, x)
