@@ -225,6 +225,13 @@ inline const std::array<float, 256>& fp8_values(at::ScalarType type) {
                                     : fp8_table_of<c10::Float8_e5m2>();
 }
 
+// What the operators check of a one-element FP32 CPU tensor they read or write (a
+// scale, an amax slot): `op` and `what` name it in the error.
+inline void check_scalar(const at::Tensor& t, const char* op, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.numel() == 1,
+              "fastcast::", op, ": ", what, " must be a one-element FP32 CPU tensor");
+}
+
 template <typename F8>
 inline float fmt_max_of() {
   return static_cast<float>(std::numeric_limits<F8>::max());

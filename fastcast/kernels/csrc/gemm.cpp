@@ -26,8 +26,7 @@ namespace {
 // in the same order).
 at::Tensor widen(const at::Tensor& t, const at::Tensor& scale) {
   TORCH_CHECK(t.dim() == 2, "scaled_mm_tensorwise: operands must be 2-D, got ", t.dim(), "-D");
-  TORCH_CHECK(scale.numel() == 1 && scale.scalar_type() == at::kFloat && scale.is_cpu(),
-              "scaled_mm_tensorwise: scales must be one FP32 CPU value each");
+  check_scalar(scale, "scaled_mm_tensorwise", "each scale");
   const float s = *scale.const_data_ptr<float>();  // item() would dispatch an op
   const auto& table = fp8_values(t.scalar_type());
   // A dense layout (row- or column-major, the operands fastcast makes) is widened in

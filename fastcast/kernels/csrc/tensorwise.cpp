@@ -91,20 +91,6 @@ float amax_of(const at::Tensor& x) {
   }
 }
 
-template <typename F8>
-void cast_of(const at::Tensor& x, float scale, bool rowwise, bool columnwise,
-             at::Tensor& data, at::Tensor& data_t) {
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      return quantize_typed<float, F8>(x, scale, rowwise, columnwise, data, data_t);
-    case at::kBFloat16:
-      return quantize_typed<c10::BFloat16, F8>(x, scale, rowwise, columnwise, data, data_t);
-    case at::kHalf:
-      return quantize_typed<c10::Half, F8>(x, scale, rowwise, columnwise, data, data_t);
-    default: TORCH_CHECK(false, "fastcast: cannot quantize ", x.scalar_type());
-  }
-}
-
 // x quantized per tensor to `dtype` (float8_e4m3fn or float8_e5m2). With `scale` (an FP32
 // one-element tensor) that scale is used, else the current one (fmt_max / amax).
 // Returns data (shaped like x; empty unless rowwise), scale_inv (shaped like scale, 0-dim
@@ -125,9 +111,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_tensorwise(
   at::Tensor scale_inv;
   if (scale.has_value()) {
     const at::Tensor& given = *scale;
-    TORCH_CHECK(given.device().is_cpu() && given.scalar_type() == at::kFloat &&
-                    given.numel() == 1,
-                "fastcast::quantize_tensorwise: scale must be a one-element FP32 CPU tensor");
+    check_scalar(given, "quantize_tensorwise", "scale");
     s = *given.const_data_ptr<float>();
     scale_inv = at::empty_like(given, at::MemoryFormat::Contiguous);
   } else {
@@ -140,28 +124,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_tensorwise(
   at::Tensor data = at::empty(rowwise ? x.sizes() : at::IntArrayRef{0}, bytes);
   const int64_t cols = x.size(-1), rows = leading_rows(x);
   at::Tensor data_t = columnwise ? at::empty({cols, rows}, bytes) : at::empty({0}, bytes);
-  if (e4m3)
-    cast_of<c10::Float8_e4m3fn>(x, s, rowwise, columnwise, data, data_t);
-  else
-    cast_of<c10::Float8_e5m2>(x, s, rowwise, columnwise, data, data_t);
+  dispatch_types(x.scalar_type(), dtype, "quantize_tensorwise", [&](auto t, auto f8) {
+    quantize_typed<decltype(t), decltype(f8)>(x, s, rowwise, columnwise, data, data_t);
+  });
   return {data, scale_inv, data_t};
 }
 
 // slot = max(slot, amax(x)) in place for a finite amax; a non-finite one records nothing
 // (fastcast/quantize/tensorwise.py: record_amax, whose reasons hold here too).
-void record_amax(const at::Tensor& slot, const at::Tensor& input) {
-  TORCH_CHECK(slot.device().is_cpu() && slot.scalar_type() == at::kFloat && slot.numel() == 1,
-              "fastcast::record_amax: the slot must be a one-element FP32 CPU tensor");
-  TORCH_CHECK(input.device().is_cpu(), "fastcast::record_amax: CPU tensors only");
-  const at::Tensor x = input.contiguous();
-  const float amax = x.numel() == 0 ? 0.0f : amax_of(x);
+void record_into(const at::Tensor& slot, float amax) {
   if (!std::isfinite(amax)) return;
   float* value = slot.data_ptr<float>();
   *value = std::max(*value, amax);
 }
 
+void record_amax(const at::Tensor& slot, const at::Tensor& input) {
+  check_scalar(slot, "record_amax", "the slot");
+  TORCH_CHECK(input.device().is_cpu(), "fastcast::record_amax: CPU tensors only");
+  const at::Tensor x = input.contiguous();
+  record_into(slot, x.numel() == 0 ? 0.0f : amax_of(x));
+}
+
 template <typename T, typename F8>
-float cast_recording_typed(const at::Tensor& x, float scale, at::Tensor& data) {
+float cast_recording(const at::Tensor& x, float scale, at::Tensor& data) {
   const T* src = x.const_data_ptr<T>();
   auto* out = static_cast<uint8_t*>(data.data_ptr());
   const float fmt_max = static_cast<float>(std::numeric_limits<F8>::max());
@@ -172,16 +157,6 @@ float cast_recording_typed(const at::Tensor& x, float scale, at::Tensor& data) {
       },
       [](uint32_t a, uint32_t b) { return std::max(a, b); });
   return from_magnitude<T>(m);
-}
-
-template <typename F8>
-float cast_recording(const at::Tensor& x, float scale, at::Tensor& data) {
-  switch (x.scalar_type()) {
-    case at::kFloat: return cast_recording_typed<float, F8>(x, scale, data);
-    case at::kBFloat16: return cast_recording_typed<c10::BFloat16, F8>(x, scale, data);
-    case at::kHalf: return cast_recording_typed<c10::Half, F8>(x, scale, data);
-    default: TORCH_CHECK(false, "fastcast: cannot quantize ", x.scalar_type());
-  }
 }
 
 // Delayed scaling's quantize in one pass over x: data = cast(x * scale) (row-wise,
@@ -196,23 +171,19 @@ std::tuple<at::Tensor, at::Tensor> quantize_recording(const at::Tensor& input,
   TORCH_CHECK(input.dim() > 0, "fastcast::quantize_recording: needs at least one dim");
   TORCH_CHECK(dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2,
               "fastcast::quantize_recording: dtype must be an FP8 type, got ", dtype);
-  for (const at::Tensor* t : {&scale, &slot})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->numel() == 1,
-                "fastcast::quantize_recording: scale and slot must be one-element FP32 CPU "
-                "tensors");
+  check_scalar(scale, "quantize_recording", "scale");
+  check_scalar(slot, "quantize_recording", "the slot");
   const at::Tensor x = input.contiguous();
   const float s = *scale.const_data_ptr<float>();
   at::Tensor scale_inv = at::empty_like(scale, at::MemoryFormat::Contiguous);
   *scale_inv.data_ptr<float>() = 1.0f / s;
   at::Tensor data = at::empty(x.sizes(), x.options().dtype(dtype));
-  const float amax = x.numel() == 0 ? 0.0f
-                     : dtype == at::kFloat8_e4m3fn
-                         ? cast_recording<c10::Float8_e4m3fn>(x, s, data)
-                         : cast_recording<c10::Float8_e5m2>(x, s, data);
-  if (std::isfinite(amax)) {
-    float* value = slot.data_ptr<float>();
-    *value = std::max(*value, amax);
-  }
+  float amax = 0.0f;
+  if (x.numel() > 0)
+    dispatch_types(x.scalar_type(), dtype, "quantize_recording", [&](auto t, auto f8) {
+      amax = cast_recording<decltype(t), decltype(f8)>(x, s, data);
+    });
+  record_into(slot, amax);
   return {data, scale_inv};
 }
 
