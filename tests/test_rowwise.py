@@ -27,7 +27,7 @@ from fp8_reference import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_linear import _saved_tensors
+from test_linear import _saved_tensors, assert_checkpointing_changes_nothing
 from torch import nn
 
 import fastcast as fc
@@ -503,23 +503,8 @@ def test_only_one_gradient_needed():
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
 @pytest.mark.parametrize("recipe", [PLAIN, HP], ids=["rowwise", "rowwise-gw-hp"])
 def test_activation_checkpointing_changes_nothing(recipe, reentrant):
-    from torch.utils.checkpoint import checkpoint
-
     torch.manual_seed(27)
-    model = fc.convert(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32)))
-    x = torch.randn(3, 7, 64)
-
-    def step(use_checkpoint):
-        for p in model.parameters():
-            p.grad = None
-        x_in = x.clone().requires_grad_()
-        with fc.autocast(recipe=recipe):
-            y = checkpoint(model, x_in, use_reentrant=reentrant) if use_checkpoint else model(x_in)
-        y.pow(2).sum().backward()
-        return [y.detach(), x_in.grad] + [p.grad for p in model.parameters()]
-
-    for a, b in zip(step(False), step(True)):
-        assert torch.equal(a, b)
+    assert_checkpointing_changes_nothing(recipe, reentrant, torch.randn(3, 7, 64))
 
 
 @pytest.mark.parametrize("recipe", [PLAIN, HP], ids=["rowwise", "rowwise-gw-hp"])
