@@ -21,9 +21,10 @@ This is what ``make bench`` runs, from the repository root. It
    ``bench/results/charts/``;
 6. with ``--update-sample`` (``make bench-sample``), after a successful full run, copies
    ``latest.json`` to ``bench/results/sample.json``, less the raw per-round timings, with
-   the overhead report added (the one result file under version control; ``make
-   readme`` renders README's tables and charts from it). A plain ``make bench`` changes
-   no tracked file.
+   the same run's overhead report and training-step results (``bench.train_step
+   --json``, eager and compiled) added (the one result file under version control;
+   ``make readme`` renders README's tables and charts from it). A plain ``make bench``
+   changes no tracked file.
 
 The exit status is pytest's (or train_step's when pytest passed): a missed target is
 printed as MISS but does not fail the run. ``python -m bench.run --report FILE`` renders
