@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BENCH_TOOLS := $(VENV)/.bench
 COMPARE := $(VENV)/.compare
 
-.PHONY: bench bench-sample bench-compare readme profile nsys test lint clean
+.PHONY: kernels bench bench-sample bench-compare readme profile nsys test test-slow lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,16 +26,27 @@ $(COMPARE): $(BENCH_TOOLS)
 	$(PY) -m pip install -e '.[compare]' || echo "torchao not installed: its comparisons are skipped"
 	touch $(COMPARE)
 
-test: $(STAMP)
+# The fused C++ kernels, built ahead of the tests and benchmarks (30-60 s the first time
+# for this compiler, Python and torch; then a check that takes a second). Without a
+# compiler the reference path runs: said here, not an error.
+kernels: $(STAMP)
+	$(PY) -m fastcast.kernels || echo "fused kernels not built: the PyTorch reference path runs"
+
+test: kernels
 	$(PY) -m pytest tests
 
-bench: $(COMPARE)
+# The minutes-long tests (marked slow): a wheel installed into a fresh environment, and
+# builds from an empty kernel directory (.ci/run runs them after `make test`).
+test-slow: kernels
+	FASTCAST_SLOW_TESTS=1 $(PY) -m pytest tests -m slow
+
+bench: $(COMPARE) kernels
 	$(PY) -m bench.run
 
 # Replace the committed bench/results/sample.json with this run's medians and overhead
 # report, then README's tables and bench/charts/ from it (make bench itself changes no
 # tracked file).
-bench-sample: $(COMPARE)
+bench-sample: $(COMPARE) kernels
 	$(PY) -m bench.run --update-sample
 	$(MAKE) readme
 
@@ -52,7 +63,7 @@ readme: $(BENCH_TOOLS)
 
 # py-spy flamegraph (SVG) and speedscope JSON of the training step, in profiles/out/.
 RECIPES ?= current
-profile: $(BENCH_TOOLS)
+profile: $(BENCH_TOOLS) kernels
 	PYTHON=$(PY) bash profiles/record.sh $(RECIPES)
 
 # Nsight Systems trace with NVTX ranges and its per-range table (needs nsys and a GPU).

@@ -1,0 +1,252 @@
+"""The fused kernels' build on first use: what names its directory, the message a user
+sees while it runs, one build when processes start together, and an installed wheel
+that builds them (or falls back to the reference with one warning when it cannot).
+
+The tests that compile for real or build a wheel take minutes on two cores: they are
+marked ``slow`` and run only with ``FASTCAST_SLOW_TESTS=1`` (``make test-slow``, which
+``.ci/run`` runs after ``make test``)."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastcast.kernels import build, choice
+from fastcast.quantize import tensorwise
+from fastcast.quantize.tensorwise import CurrentScalingQuantizer
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_SLOW = os.environ.get("FASTCAST_SLOW_TESTS") == "1"
+
+
+def slow(test):
+    marked = pytest.mark.slow(test)
+    reason = "builds for minutes: set FASTCAST_SLOW_TESTS=1 (make test-slow)"
+    return pytest.mark.skipif(not RUN_SLOW, reason=reason)(marked)
+
+
+@pytest.fixture
+def fresh_process_state(monkeypatch):
+    """The process forgets its loaded library and kernel choice for one test."""
+    monkeypatch.setattr(build, "_loaded_seconds", None)
+    monkeypatch.delenv("FASTCAST_KERNELS", raising=False)
+    choice.refresh()
+    yield
+    choice.refresh()
+
+
+def _spy_reference(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = tensorwise.scale_and_cast
+    monkeypatch.setattr(tensorwise, "scale_and_cast", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+# --------------------------------------------------------------------------- packaging
+
+
+def test_the_wheel_ships_every_file_the_build_reads():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]["fastcast"]
+    package = ROOT / "fastcast"
+    on_disk = {p.relative_to(package).as_posix() for p in build.CSRC.iterdir() if p.is_file()}
+    read = {p.relative_to(package).as_posix() for p in (*build.SOURCES, *build.HEADERS)}
+    assert on_disk == read, "csrc/ and build.SOURCES/HEADERS disagree"
+    shipped = {f for f in read if any(fnmatch.fnmatch(f, p) for p in patterns)}
+    assert shipped == read, f"not in the wheel: {sorted(read - shipped)}"
+
+
+def test_an_incomplete_install_falls_back_with_one_warning(
+    fresh_process_state, monkeypatch, tmp_path
+):
+    # A wheel without fp8.h: the key cannot be computed; that must not escape as a
+    # FileNotFoundError from the first quantize.
+    monkeypatch.setenv("FASTCAST_KERNELS_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "HEADERS", (build.CSRC / "missing.h",))
+    calls = _spy_reference(monkeypatch)
+    x = torch.randn(8, 8)
+    with pytest.warns(RuntimeWarning, match="could not be built.*missing.h") as record:
+        got = CurrentScalingQuantizer().quantize(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        CurrentScalingQuantizer().quantize(x)
+    assert len(record) == 1 and calls == [1, 1]
+    assert (got.dequantize() - x).abs().max() <= x.abs().max() / 8  # a real quantize
+
+
+# --------------------------------------------------------------------------- the key
+
+
+def _compiler_wrapper(folder: Path) -> Path:
+    """``g++`` in ``folder`` that runs the system's ``c++``, logging each call."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wrapper = folder / "g++"
+    log = folder / "calls.log"
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\nexec c++ "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def test_the_build_directory_changes_with_the_compiler_and_flags(monkeypatch, tmp_path):
+    monkeypatch.setenv("FASTCAST_KERNELS_DIR", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    key = build.build_key()
+    base = build.build_dir(key)
+    assert base.parent == tmp_path and build.build_dir() == base  # stable
+    assert key["torch"] == torch.__version__ and key["compiler_version"]
+
+    monkeypatch.setenv("CXX", str(_compiler_wrapper(tmp_path / "bin")))
+    other = build.build_key()
+    assert other["compiler"] == str(tmp_path / "bin" / "g++")
+    assert other["compiler_version"] == key["compiler_version"]  # same g++ underneath
+    assert build.build_dir(other) != base
+    monkeypatch.delenv("CXX")
+
+    monkeypatch.setattr(build, "CFLAGS", (*build.CFLAGS, "-march=native"))
+    assert build.build_dir() != base
+    monkeypatch.undo()
+    monkeypatch.setenv("FASTCAST_KERNELS_DIR", str(tmp_path / "elsewhere"))
+    assert build.build_dir().name == base.name  # the root moves, the key does not
+
+
+# --------------------------------------------------------------------------- messages
+
+QUANTIZE = textwrap.dedent(
+    """
+    import warnings, torch
+    from fastcast.kernels import choice
+    from fastcast.quantize.tensorwise import CurrentScalingQuantizer
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x = torch.randn(64, 64)
+        a = CurrentScalingQuantizer().quantize(x).dequantize()
+        b = CurrentScalingQuantizer().quantize(x).dequantize()
+    fused = choice.tensorwise_op(x) is not None
+    print("fused" if fused else "reference", len(caught), torch.equal(a, b))
+    for w in caught:
+        print("warning:", w.category.__name__, str(w.message)[:100])
+    """
+)
+
+
+def _quantize_in(python: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [python, "-c", QUANTIZE], env=env, cwd=cwd, capture_output=True, text=True, timeout=900
+    )
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("FASTCAST_KERNELS", "CXX")}
+    env["PYTHONPATH"] = str(ROOT)
+    return env | extra
+
+
+def test_a_failing_build_says_so_on_stderr_and_warns_once(tmp_path):
+    # No logging configured in the child; an empty kernel directory; a compiler that fails.
+    env = _env(FASTCAST_KERNELS_DIR=str(tmp_path / "kernels"), CXX="false")
+    done = _quantize_in(sys.executable, env, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "reference 1 True"
+    assert "could not be built" in done.stdout
+    assert done.stderr.count("fastcast: building the fused C++ quantize kernels") == 1
+    assert "fastcast: building the fused kernels failed after" in done.stderr
+
+
+@slow
+def test_processes_starting_together_build_once_and_say_so(tmp_path):
+    wrapper = _compiler_wrapper(tmp_path / "bin")
+    env = _env(FASTCAST_KERNELS_DIR=str(tmp_path / "kernels"), CXX=str(wrapper))
+    args = [sys.executable, "-c", QUANTIZE]
+    first, second = (
+        subprocess.Popen(args, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    )  # fmt: skip
+    outs = [p.communicate(timeout=900) for p in (first, second)]
+    for (out, err), p in zip(outs, (first, second)):
+        assert p.returncode == 0, err
+        assert out.splitlines()[0] == "fused 0 True", (out, err)
+    errs = [err for _, err in outs]
+    assert sum(e.count("fastcast: building the fused C++") for e in errs) == 1, errs
+    assert sum(e.count("fastcast: built the fused kernels in") for e in errs) == 1, errs
+    # Seven sources compiled and one link, by one process.
+    calls = (tmp_path / "bin" / "calls.log").read_text().splitlines()
+    compiles = [c for c in calls if " -c " in f" {c} "]
+    links = [c for c in calls if "-shared" in c]
+    assert len(compiles) == len(build.SOURCES) and len(links) == 1, calls
+    # A later process loads the finished build in silence.
+    later = _quantize_in(sys.executable, env, tmp_path)
+    assert later.stdout.splitlines()[0] == "fused 0 True" and "fastcast:" not in later.stderr
+
+
+# --------------------------------------------------------------------------- the wheel
+
+
+def _pip(*args: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@slow
+def test_a_wheel_in_a_fresh_environment_uses_the_fused_kernels(tmp_path):
+    # The wheel, built without an isolated environment where this one has setuptools
+    # recent enough (no download needed), else with one.
+    isolation = []
+    try:
+        import setuptools  # noqa: PLC0415
+
+        if int(setuptools.__version__.split(".")[0]) >= 77:
+            isolation = ["--no-build-isolation"]
+    except ImportError:
+        pass
+    _pip("wheel", str(ROOT), "--no-deps", *isolation, "-w", str(tmp_path / "dist"), "-q")
+    (wheel,) = (tmp_path / "dist").glob("fastcast-*.whl")
+    # A fresh environment that sees this one's packages (torch) but not its fastcast:
+    # `venv --system-site-packages` would expose the base interpreter's, not this venv's.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    torch_site = str(Path(torch.__file__).resolve().parents[1])
+    Path(site, "parent_env.pth").write_text(torch_site + "\n")
+    _pip("--python", python, "install", "--no-deps", "--no-index", str(wheel), "-q")
+
+    env = {k: v for k, v in _env().items() if k != "PYTHONPATH"}
+    where = subprocess.run(
+        [python, "-c", "import fastcast; print(fastcast.__file__)"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert where.startswith(site), where  # the wheel's copy, not the checkout
+    installed = {p.name for p in (Path(where).parent / "kernels" / "csrc").iterdir()}
+    assert installed >= {p.name for p in (*build.SOURCES, *build.HEADERS)}
+
+    # Same sources, compiler, flags, Python and torch: the wheel's build is the
+    # checkout's (`make kernels` built it), found under the same key.
+    key = subprocess.run(
+        [python, "-c", "from fastcast.kernels import build; print(build.build_dir())"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert key == str(build.build_dir())
+    fused = _quantize_in(python, env, tmp_path)
+    assert fused.returncode == 0, fused.stderr
+    assert fused.stdout.splitlines()[0] == "fused 0 True", fused.stdout + fused.stderr
+
+    broken = env | {"FASTCAST_KERNELS_DIR": str(tmp_path / "empty"), "CXX": "false"}
+    fallback = _quantize_in(python, broken, tmp_path)
+    assert fallback.returncode == 0, fallback.stderr
+    lines = fallback.stdout.splitlines()
+    assert lines[0] == "reference 1 True" and "could not be built" in lines[1], lines
