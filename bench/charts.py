@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.run import RESULTS, ROOT, SAMPLE, Entry
+from bench.report import RESULTS, ROOT, SAMPLE, Entry
 
 SAMPLE_CHARTS = ROOT / "bench" / "charts"
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench.run import RESULTS, Entry, _text_table, format_ratio, format_time, stats_only
+from bench.report import RESULTS, Entry, format_ratio, format_time, stats_only, text_table
 
 HISTORY = RESULTS / "history"
 THRESHOLD = 1.10
@@ -85,7 +85,7 @@ def format_comparison(rows: list[dict], old_label: str, new_label: str, threshol
     headers = ["group", "benchmark", "old (per call)", "new (per call)", "new/old", ""]
     regressed = sum(r["status"] == "REGRESSION" for r in rows)
     lines = [f"old: {old_label}", f"new: {new_label}", ""]
-    lines += _text_table(headers, table, {2, 3, 4})
+    lines += text_table(headers, table, {2, 3, 4})
     lines += [
         "",
         f"{len(rows)} benchmarks compared, {regressed} slower than {threshold:.2f}x "

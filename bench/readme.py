@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bench.run import ROOT, SAMPLE, Entry, format_ratio, format_time
+from bench.report import ROOT, SAMPLE, Entry, format_ratio, format_time
 
 README = ROOT / "README.md"
 Lookup = Callable[[str], Entry]

@@ -221,9 +221,11 @@ def test_a_wheel_in_a_fresh_environment_uses_the_fused_kernels(tmp_path):
         [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
+    _pip("--python", python, "install", "--no-deps", "--no-index", str(wheel), "-q")
+    # Then this environment's packages behind it (after the install, so that pip neither
+    # sees nor touches them).
     torch_site = str(Path(torch.__file__).resolve().parents[1])
     Path(site, "parent_env.pth").write_text(torch_site + "\n")
-    _pip("--python", python, "install", "--no-deps", "--no-index", str(wheel), "-q")
 
     env = {k: v for k, v in _env().items() if k != "PYTHONPATH"}
     where = subprocess.run(

@@ -1,0 +1,68 @@
+"""fastcast: FP8 and FP4 mixed precision for PyTorch training with almost no CPU overhead."""
+
+from . import profiling
+from ._on_import import register_when_dynamo_imported
+from .autocast import autocast
+from .checkpoint import allow_unsafe_extra_state, read_extra_state, strip_extra_state
+from .gemm import scaled_mm
+from .hardware import (
+    fp8_available,
+    fp8_block_scaling_available,
+    fp8_rowwise_available,
+    mxfp8_available,
+    nvfp4_available,
+)
+from .nn import Linear, convert, keep_high_precision
+from .recipe import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Float8RowwiseScaling,
+    Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    Recipe,
+)
+from .recompute import checkpoint_context
+from .schemes import quantize
+from .state import get_autocast_recipe, is_autocast_enabled
+from .tensor import QuantizedTensor, TensorProto
+
+__version__ = "0.1.0"
+
+register_when_dynamo_imported()  # torch.compile support (fastcast.dynamo), imported lazily
+if profiling.ENV_ENABLED:  # FASTCAST_NVTX=1: every module is imported, wrap them now
+    profiling.enable()
+
+__all__ = [
+    "CustomRecipe",
+    "DelayedScaling",
+    "Float8BlockScaling",
+    "Float8CurrentScaling",
+    "Float8RowwiseScaling",
+    "Format",
+    "Linear",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
+    "QuantizedTensor",
+    "Recipe",
+    "TensorProto",
+    "allow_unsafe_extra_state",
+    "autocast",
+    "checkpoint_context",
+    "convert",
+    "fp8_available",
+    "fp8_block_scaling_available",
+    "fp8_rowwise_available",
+    "get_autocast_recipe",
+    "is_autocast_enabled",
+    "keep_high_precision",
+    "mxfp8_available",
+    "nvfp4_available",
+    "profiling",
+    "quantize",
+    "read_extra_state",
+    "scaled_mm",
+    "strip_extra_state",
+]

@@ -1,0 +1,157 @@
+"""``fc.autocast``: the context manager that turns FP8 on for the modules inside it."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from . import state as _state
+from .hardware import default_device_type, on_refresh
+from .profiling import annotate
+from .recipe import Recipe
+from .schemes import default_recipe, scheme_for
+from .state import AutocastFrame, Stack, get_stack, set_stack, thread_state
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Recipe types that passed the support check on this machine (a cache of a fixed fact,
+# emptied when the capability answers are refreshed).
+_runnable: set[type] = set()
+on_refresh(_runnable.clear)
+
+
+class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
+    """Run the ``fc.Linear`` modules inside the block with ``recipe``.
+
+    - ``enabled=False`` runs them in high precision (``recipe`` is still reported).
+    - ``recipe=None`` uses the best recipe this machine runs, built once per process.
+    - ``calibrating=True`` with ``enabled=False``: high precision, but delayed-scaling
+      modules record amaxes, so that FP8 training starts from calibrated scales.
+    - ``amax_reduction_group``: a process group over which delayed-scaling amaxes (and
+      current-scaling activation/gradient amaxes) are max-reduced.
+
+    Arguments after ``enabled`` are keyword-only and checked here: a wrong type is a
+    TypeError at construction. Entering raises RuntimeError if ``recipe`` cannot run on
+    this machine.
+
+    Nests to any depth (the innermost wins) and restores the previous state exactly on
+    exit, exceptions included. The state is per context (``contextvars``): per thread
+    and per asyncio task, inherited by ``asyncio.to_thread`` and ``copy_context().run``,
+    never leaking back from them. An instance may be entered again once it has exited,
+    and be active in several threads or tasks at once; entering it while it is active in
+    the same context raises; exiting a level that is not the innermost raises and exits
+    the levels above it too. Usable as a decorator.
+    """
+
+    # No slots of its own: entering stores nothing in the instance, so one instance can be
+    # active in several threads or tasks at once without any race.
+    __slots__ = ()
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        *,
+        recipe: Recipe | None = None,
+        calibrating: bool = False,
+        amax_reduction_group: Any = None,
+    ) -> None:
+        if enabled.__class__ is not bool:
+            raise TypeError(
+                f"fc.autocast: enabled must be a bool, got {enabled!r} (arguments after "
+                "enabled are keyword-only: fc.autocast(recipe=...))"
+            )
+        if calibrating.__class__ is not bool:
+            raise TypeError(f"fc.autocast: calibrating must be a bool, got {calibrating!r}")
+        if recipe is None:
+            recipe = default_recipe()
+        elif not isinstance(recipe, Recipe):
+            raise TypeError(f"fc.autocast: recipe must be a fastcast recipe, got {recipe!r}")
+        self.enabled = enabled
+        self.recipe = recipe
+        self.calibrating = calibrating
+        self.group = amax_reduction_group
+
+    @annotate("fastcast.autocast.enter")
+    def __enter__(self) -> autocast:
+        below = get_stack()
+        if self.recipe.__class__ not in _runnable:
+            self._check_recipe()
+        if below[1] is not None:  # nested (BOTTOM alone has nothing below): refuse this
+            # instance if it is already below. (Dynamo cannot trace `is` between tuples.)
+            node = below
+            while node is not None:
+                if node[0] is self:
+                    raise RuntimeError(
+                        "this fc.autocast instance is already active here; create a new one"
+                    )
+                node = node[1]
+        set_stack((self, below))
+        return self
+
+    def _check_recipe(self) -> None:
+        # A recipe type this machine cannot run raises when enabled (a disabled level
+        # runs nothing); one that can is remembered, so the next entry pays a set look-up.
+        recipe = self.recipe
+        ok, why = scheme_for(recipe).support(default_device_type())
+        if ok:
+            _runnable.add(type(recipe))
+        elif self.enabled:
+            raise RuntimeError(f"{type(recipe).__name__} cannot run here: {why}")
+
+    @annotate("fastcast.autocast.exit")
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        stack = get_stack()
+        if stack[0] is self:
+            below = stack[1]
+            set_stack(below)
+        else:
+            below = self._exit_out_of_order(stack)
+        # Stateful schemes (delayed scaling) decide whether this level ends the step. The
+        # stack is already restored, so an error raised here leaves no level active.
+        if _state.stateful_threads:
+            schemes = thread_state().schemes
+            for scheme_state in schemes.values():
+                scheme_state.frame_exited(self, below, exc_type is None)
+
+    def _exit_out_of_order(self, stack: Stack) -> Stack:
+        """Exit of a level that is not the innermost one: repair the stack, then raise."""
+        node = stack
+        while node is not None and node[0] is not self:
+            node = node[1]
+        if node is None:
+            raise RuntimeError(
+                "fc.autocast: exiting an autocast that is not active here (it already "
+                "exited, or it was entered in another thread, task or context)"
+            )
+        set_stack(node[1])
+        inner = []
+        while stack is not node:
+            inner.append(repr(stack[0].recipe))
+            stack = stack[1]
+        raise RuntimeError(
+            "fc.autocast exited out of order: autocasts entered after it were still "
+            f"active and have been exited with it (innermost first: {', '.join(inner)})"
+        )
+
+    def __call__(self, fn: F) -> F:
+        """Decorate ``fn`` so that every call runs inside a fresh autocast like this one."""
+        kwargs = {
+            "recipe": self.recipe,
+            "calibrating": self.calibrating,
+            "amax_reduction_group": self.group,
+        }
+        enabled = self.enabled
+
+        @functools.wraps(fn)
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            with autocast(enabled, **kwargs):
+                return fn(*a, **kw)
+
+        return wrapper  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return (
+            f"fc.autocast(enabled={self.enabled}, recipe={self.recipe!r}, "
+            f"calibrating={self.calibrating}, amax_reduction_group={self.group!r})"
+        )

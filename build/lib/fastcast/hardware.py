@@ -1,0 +1,180 @@
+"""What this machine can run, computed once per process.
+
+The GEMM backend for each scaling family is one of:
+
+- ``hardware``: ``torch._scaled_mm`` (CUDA FP8 tensor cores, or PyTorch's CPU kernel),
+- ``emulate``: dequantize to FP32 and matmul, exact to FP32 rounding, on any device.
+
+``FASTCAST_GEMM`` (``auto`` | ``hardware`` | ``emulate``) overrides the choice. Under
+``auto`` the CPU emulates what it has no kernel for, and per-row scaling (its kernel is
+slower than the emulation); a CUDA device must have FP8 tensor
+cores (compute capability 8.9+), and emulates, with a warning, the block-scaled families
+whose tensor-core path fastcast does not drive yet (1x128/128x128, MXFP8, NVFP4).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from .tensor import BLOCKWISE, MXFP8, NVFP4, ROWWISE, TENSORWISE
+
+GEMM_MODES = ("auto", "hardware", "emulate")
+
+# Lowest CUDA compute capability with FP8 tensor cores.
+CUDA_FP8_CAPABILITY = (8, 9)
+# Families fastcast drives torch._scaled_mm for, on CPU and on CUDA (8.9+). The
+# block-scaled kernels need scale layouts (swizzles) that are not validated on hardware
+# here yet, so those families run emulated rather than risk silently wrong GEMMs.
+_KERNEL_FAMILIES = (TENSORWISE, ROWWISE)
+# Families the CPU emulates under ``auto`` although torch._scaled_mm takes them there:
+# its per-row path is 2.4x slower than dequantize + matmul (256x512 @ 512x128, one
+# thread; 76 against 48 ms a step for ``python -m bench.train_step --recipes rowwise``).
+_CPU_EMULATES = (ROWWISE,)
+
+
+@functools.cache
+def gemm_mode() -> str:
+    """The ``FASTCAST_GEMM`` setting, validated; read once (see ``refresh``)."""
+    mode = os.environ.get("FASTCAST_GEMM", "auto").strip().lower() or "auto"
+    if mode not in GEMM_MODES:
+        raise ValueError(f"FASTCAST_GEMM must be one of {GEMM_MODES}, got {mode!r}")
+    return mode
+
+
+@functools.cache
+def cuda_capability() -> tuple[int, int] | None:
+    """Compute capability of the current CUDA device, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+def has_kernel(device_type: str, family: str) -> bool:
+    """Whether ``torch._scaled_mm`` has a kernel for this family on this device type."""
+    if family not in _KERNEL_FAMILIES:
+        return False
+    if device_type == "cpu":
+        return True
+    if device_type == "cuda":
+        cap = cuda_capability()
+        return cap is not None and cap >= CUDA_FP8_CAPABILITY
+    return False
+
+
+@functools.cache
+def cuda_rowwise_output(dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm`` writes a per-row scaled FP8 product in ``dtype`` on
+    this CUDA device. CUTLASS's row-wise kernel (sm89, sm90, sm100), which torch runs
+    unless cuBLAS can, writes bfloat16 only; cuBLAS 12.9+ on sm90 writes any float
+    (``aten/src/ATen/native/cuda/ScaledBlas.cpp``). Other products are emulated."""
+    cap = cuda_capability()
+    if cap is None or cap < CUDA_FP8_CAPABILITY:
+        return False
+    if dtype == torch.bfloat16:
+        return True
+    version = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+    return cap[0] == 9 and version >= (12, 9)
+
+
+@functools.cache
+def _backend(device_type: str, family: str, mode: str) -> tuple[str | None, str]:
+    if mode == "emulate":
+        return "emulate", "emulated (FASTCAST_GEMM=emulate)"
+    if has_kernel(device_type, family):
+        if mode == "auto" and device_type == "cpu" and family in _CPU_EMULATES:
+            return "emulate", "emulated on cpu (faster than torch._scaled_mm's CPU kernel)"
+        return "hardware", f"torch._scaled_mm on {device_type}"
+    if mode == "hardware":
+        return None, (
+            f"{family} scaling has no torch._scaled_mm kernel on {_describe(device_type)} "
+            "and FASTCAST_GEMM=hardware forbids emulation"
+        )
+    if device_type == "cuda":
+        cap = cuda_capability()
+        if cap is None or cap < CUDA_FP8_CAPABILITY:
+            return None, (
+                f"FP8 needs a GPU of compute capability 8.9 or newer, this is "
+                f"{_describe(device_type)}; set FASTCAST_GEMM=emulate to run it emulated"
+            )
+        warnings.warn(
+            f"fastcast: {family} GEMMs run emulated (dequantize + matmul) on "
+            f"{_describe(device_type)}; only per-tensor and per-row FP8 use tensor cores",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return "emulate", f"emulated on {device_type}"
+
+
+def gemm_backend(device_type: str, family: str) -> tuple[str | None, str]:
+    """``(backend, reason)``: backend is ``hardware``, ``emulate`` or None (unsupported)."""
+    return _backend(device_type, family, gemm_mode())
+
+
+def default_device_type() -> str:
+    """The device type training runs on by default: CUDA when present, else CPU."""
+    return "cuda" if cuda_capability() is not None else "cpu"
+
+
+def _describe(device_type: str) -> str:
+    if device_type == "cuda":
+        cap = cuda_capability()
+        if cap is None:
+            return "a machine without a CUDA device"
+        return f"{torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]})"
+    return device_type.upper()
+
+
+# Caches elsewhere that depend on the answers here (see ``on_refresh``).
+_refresh_hooks: list[Callable[[], None]] = []
+
+
+def on_refresh(hook: Callable[[], None]) -> Callable[[], None]:
+    """Register ``hook`` to run on ``refresh()``; for caches derived from these answers.
+
+    Modules register at import time, so this module needs to import none of them.
+    """
+    _refresh_hooks.append(hook)
+    return hook
+
+
+def refresh() -> None:
+    """Forget every cached answer, so that a changed FASTCAST_GEMM takes effect."""
+    for fn in (gemm_mode, cuda_capability, cuda_rowwise_output, _backend):
+        fn.cache_clear()
+    for hook in _refresh_hooks:
+        hook()
+
+
+def _available(family: str) -> tuple[bool, str]:
+    backend, reason = gemm_backend(default_device_type(), family)
+    return backend is not None, reason
+
+
+def fp8_available() -> tuple[bool, str]:
+    """Per-tensor FP8 (delayed and current scaling): ``(available, reason)``."""
+    return _available(TENSORWISE)
+
+
+def fp8_rowwise_available() -> tuple[bool, str]:
+    """Per-row scaled FP8 (``Float8RowwiseScaling``): ``(available, reason)``."""
+    return _available(ROWWISE)
+
+
+def fp8_block_scaling_available() -> tuple[bool, str]:
+    """1x128 / 128x128 block-scaled FP8: ``(available, reason)``."""
+    return _available(BLOCKWISE)
+
+
+def mxfp8_available() -> tuple[bool, str]:
+    """MXFP8 (32-element blocks, E8M0 scales): ``(available, reason)``."""
+    return _available(MXFP8)
+
+
+def nvfp4_available() -> tuple[bool, str]:
+    """NVFP4 (16-element E2M1 blocks): ``(available, reason)``."""
+    return _available(NVFP4)

@@ -1,0 +1,325 @@
+"""Builds and loads the C++ operators (``csrc/``) on first use, once per process.
+
+The library is compiled by ``torch.utils.cpp_extension.load`` (g++ and ninja, about
+30-60 s on two cores) into a build directory named by a digest of everything that
+changes the build (``build_key``): the source text, the compiler (its resolved path and
+``--version``), the flags, the include paths, the Python ABI, and torch's version and
+location. Two environments that would build different libraries never share a
+directory; two that would build the same one do, and the second only loads it.
+``FASTCAST_KERNELS_DIR`` moves the directories (default: ``~/.cache/fastcast/kernels``).
+
+Across processes a file lock (``fcntl.flock`` on ``<directory>/fastcast.lock``) is held
+while a process builds or loads: one process builds, the others wait for it and then
+load the finished library, which no process relinks once a ``built`` stamp marks it
+complete (its key says nothing it was built from can have changed). The sources are
+copied into the directory and compiled from there, so that installs at different paths
+(an editable checkout, a wheel) run the same build commands and share one build.
+
+A build prints one line to stderr when it starts and one when it ends (with the time
+it took), without any logging set-up, since it stalls the first quantize for tens of
+seconds; loading a finished build prints nothing. A failed build (no compiler, no
+ninja, a missing source file) raises ``BuildError``; ``choice`` then warns once and
+leaves the reference path in charge. Nothing is compiled at import.
+``python -m fastcast.kernels`` builds ahead of time (``make`` does, before the
+tests and benchmarks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(
+    CSRC / name
+    for name in (
+        "tensorwise.cpp",
+        "blocks.cpp",
+        "rows.cpp",
+        "nvfp4.cpp",
+        "gemm.cpp",
+        "dequantize.cpp",
+        "bindings.cpp",
+    )
+)
+# Included by the sources: part of what the build directory is keyed by.
+HEADERS = (CSRC / "fp8.h",)
+# The operators the library defines (each source file its own, TORCH_LIBRARY_FRAGMENT
+# beside the one TORCH_LIBRARY); ``choice.fused_op`` hands out their Python entry points
+# (bindings.cpp) by name.
+OPS = (
+    "quantize_tensorwise",
+    "record_amax",
+    "quantize_recording",
+    "quantize_blocks",
+    "quantize_rows",
+    "quantize_mxfp8",
+    "quantize_nvfp4",
+    "scaled_mm_tensorwise",
+    "dequantize_blocks",
+    "dequantize_nvfp4",
+)
+# -O3 vectorises the amax and cast loops (the other two let it if-convert float
+# comparisons; neither changes a value). No -march=native: a shared build directory
+# must not hold code that faults on an older CPU.
+CFLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp")
+# at::parallel_for splits work over torch's OpenMP threads only when built with OpenMP;
+# the library then shares the libgomp that torch has already loaded (same soname).
+LDFLAGS = ("-fopenmp",)
+NAMESPACE = "fastcast_kernels"
+# Files of a build directory besides ninja's: the cross-process lock, the stamp written
+# once the library is complete (it holds the key), and the copied sources.
+LOCK_FILE = "fastcast.lock"
+BUILT_STAMP = "built"
+SOURCE_COPY = "csrc"
+
+
+logger = logging.getLogger("fastcast")
+
+# Seconds the successful load took, and the loaded module. Process facts: the library is
+# loaded at most once per process (a second load would register its operators twice),
+# under a lock, since two threads may quantize for the first time together.
+_loaded_seconds: float | None = None
+_module: ModuleType | None = None
+_load_lock = threading.Lock()
+
+
+class BuildError(RuntimeError):
+    """The C++ operators could not be built or loaded."""
+
+
+def build_key() -> dict[str, str]:
+    """Everything that changes the library: what the build directory's name digests.
+
+    The compiler is the one ``cpp_extension`` runs (``$CXX``, default ``c++``), by
+    resolved path and ``--version``; torch by version and location (the library links
+    against that install's libraries and ABI). Raises ``OSError`` when a source file is
+    missing (an incomplete install)."""
+    from torch.utils import cpp_extension  # noqa: PLC0415 - slow import, first use only
+
+    sources = hashlib.sha256()
+    for source in (*SOURCES, *HEADERS):
+        sources.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    compiler = cpp_extension.get_cxx_compiler()
+    found = shutil.which(compiler)
+    return {
+        "sources": sources.hexdigest(),
+        "compiler": os.path.realpath(found) if found else f"{compiler} (not found)",
+        "compiler_version": _compiler_version(found),
+        "cflags": " ".join(CFLAGS),
+        "ldflags": " ".join(LDFLAGS),
+        "include_paths": os.pathsep.join(
+            [*cpp_extension.include_paths(), sysconfig.get_path("include") or ""]
+        ),
+        "python": f"{sys.implementation.cache_tag} {sysconfig.get_config_var('EXT_SUFFIX')}",
+        "torch": torch.__version__,
+        "torch_path": str(Path(torch.__file__).resolve().parent),
+        "cxx11_abi": str(torch._C._GLIBCXX_USE_CXX11_ABI),
+    }
+
+
+def _compiler_version(path: str | None) -> str:
+    """The first line of ``path --version`` (empty when it does not answer)."""
+    if path is None:
+        return ""
+    try:
+        done = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"({type(exc).__name__})"
+    lines = done.stdout.strip().splitlines()
+    return lines[0] if lines else f"(exit status {done.returncode})"
+
+
+def build_root() -> Path:
+    """The folder that holds the build directories (``FASTCAST_KERNELS_DIR``)."""
+    return Path(os.environ.get("FASTCAST_KERNELS_DIR") or Path.home() / ".cache/fastcast/kernels")
+
+
+def build_dir(key: dict[str, str] | None = None) -> Path:
+    """Where the library of this key (default: ``build_key()``) is built."""
+    key = build_key() if key is None else key
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return build_root() / digest[:16]
+
+
+def load() -> float:
+    """Build (if needed) and load the library; returns the seconds it took.
+
+    Raises ``BuildError`` with the reason when it cannot (any failure: a missing source
+    file, compiler or ninja, a compile error, a library that does not load)."""
+    global _loaded_seconds, _module
+    with _load_lock:
+        if _loaded_seconds is not None:
+            return _loaded_seconds
+        start = time.perf_counter()
+        try:
+            key = build_key()
+            directory = build_dir(key)
+            with _exclusive(directory):
+                module = _build_or_import(directory, key)
+        except BuildError:
+            raise
+        except Exception as exc:  # an incomplete install, no compiler, ninja or headers
+            raise BuildError(f"{type(exc).__name__}: {exc}") from exc
+        _module = module
+        _loaded_seconds = time.perf_counter() - start
+    logger.info("fused quantize kernels ready in %.1f s (%s)", _loaded_seconds, directory)
+    return _loaded_seconds
+
+
+def _say(message: str) -> None:
+    """A line on stderr: the build stalls the first quantize for tens of seconds, which
+    must be visible without any logging set-up."""
+    print(f"fastcast: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _exclusive(directory: Path) -> Iterator[None]:
+    """Hold ``directory``'s lock (across processes; the OS releases it if the holder
+    dies), saying so when another process has it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / LOCK_FILE, "a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"waiting for another process that is building the fused kernels in {directory}")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build_or_import(directory: Path, key: dict[str, str]) -> ModuleType:
+    """The library of ``directory``: imported when a finished build is there, else built
+    (the caller holds the directory's lock)."""
+    from torch.utils import cpp_extension  # noqa: PLC0415 - slow import, first use only
+
+    library = directory / f"{NAMESPACE}{cpp_extension.LIB_EXT}"
+    stamp = directory / BUILT_STAMP
+    if stamp.exists() and library.exists():
+        try:
+            return _import(library)
+        except ImportError as exc:  # a damaged file: build it again
+            logger.warning("fastcast: rebuilding the fused kernels (%s)", exc)
+            stamp.unlink()
+    _say(
+        "building the fused C++ quantize kernels (first use with this compiler, Python "
+        f"and torch; about 30-60 s on two cores) in {directory}"
+    )
+    start = time.perf_counter()
+    try:
+        # torch's own lock file: left behind by a build that was killed, it would make
+        # cpp_extension wait forever. Nobody else is building here: we hold the lock.
+        (directory / "lock").unlink(missing_ok=True)
+        sources = _copy_sources(directory / SOURCE_COPY)
+        with _ninja_on_path():
+            module = cpp_extension.load(
+                name=NAMESPACE,
+                sources=[str(s) for s in sources],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(directory),
+                is_python_module=True,
+                verbose=False,
+            )
+    except Exception:
+        _say(f"building the fused kernels failed after {time.perf_counter() - start:.1f} s")
+        raise
+    stamp.write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
+    _say(f"built the fused kernels in {time.perf_counter() - start:.1f} s")
+    return module
+
+
+def _copy_sources(target: Path) -> list[Path]:
+    """The sources and headers copied into ``target`` (the sources' paths returned):
+    ninja's commands name them there, the same for every install. A copy is written only
+    when it differs, so ninja sees no newer file on a later build."""
+    target.mkdir(exist_ok=True)
+    for source in (*SOURCES, *HEADERS):
+        text = source.read_bytes()
+        copy = target / source.name
+        if not copy.exists() or copy.read_bytes() != text:
+            partial = copy.with_suffix(copy.suffix + ".partial")
+            partial.write_bytes(text)
+            os.replace(partial, copy)
+    return [target / s.name for s in SOURCES]
+
+
+def _import(library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(NAMESPACE, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """``cpp_extension`` runs ``ninja`` from PATH. The ``ninja`` wheel (a dependency)
+    puts it in the environment's bin directory, which is not on PATH when the
+    environment's Python is run without activating it: add that directory for the build."""
+    bin_dir = None
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError):
+            import ninja  # noqa: PLC0415 - only to locate the executable
+
+            bin_dir = ninja.BIN_DIR
+    if bin_dir is None:
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join((bin_dir, path)) if path else bin_dir
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
+def entry_points() -> dict[str, Any]:
+    """The operators' Python entry points by name (``bindings.cpp``: the registered
+    operators called through the dispatcher, without ``torch.ops``' boxing); loads first."""
+    load()
+    return {name: getattr(_module, name) for name in OPS}
+
+
+def warn_unavailable(reason: str) -> None:
+    warnings.warn(
+        "fastcast: the fused C++ quantize kernels could not be built, so the (slower) "
+        f"PyTorch reference path runs instead. Reason: {reason}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def main() -> int:
+    """``python -m fastcast.kernels`` (``__main__.py``): build (or find) the library ahead of first
+    use; exit status 1 with the reason when it does not build."""
+    try:
+        seconds = load()
+    except BuildError as exc:
+        print(f"fastcast: the fused kernels do not build here: {exc}", file=sys.stderr)
+        return 1
+    print(f"fastcast: fused kernels ready in {build_dir()} ({seconds:.1f} s)")
+    return 0

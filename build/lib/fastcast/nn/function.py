@@ -1,0 +1,172 @@
+"""The autograd Function behind ``fc.Linear`` and the forward GEMM it shares with the
+no-grad path.
+
+Forward quantizes input and weight and saves only their column-wise (transposed) FP8
+layouts; backward quantizes the gradient and runs dgrad and wgrad as scaled GEMMs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..gemm import operands_product
+from ..profiling import annotate
+from ..tensor import QuantizedTensor
+from .weight_cache import WeightCache, quantize_weight
+
+
+def forward_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    call: Any,
+    weight_cache: WeightCache,
+    first: bool | None,
+    need_dgrad: bool,
+    need_wgrad: bool,
+) -> tuple[torch.Tensor, QuantizedTensor, QuantizedTensor]:
+    """Quantize input and weight with ``call``'s quantizers and run the forward GEMM.
+
+    ``call`` is the scheme's per-call object (``schemes.base.Plan.call``); column-wise
+    layouts are made only for the backward GEMMs that will run.
+    """
+    x_q = call.input_q.quantize(x, rowwise=True, columnwise=need_wgrad)
+    w_q = call.replayed_weight
+    if w_q is not None and need_dgrad and not w_q.has_columnwise:
+        # A recomputation needs a layout the original (no-grad) call did not make: quantize
+        # again, with the replaying call's quantizer (the original scale), bypassing the cache.
+        w_q = call.weight_q.quantize(weight, rowwise=True, columnwise=True)
+    elif w_q is None:
+        w_q = quantize_weight(weight_cache, weight, call.weight_q, first, need_dgrad)
+        w_q = call.remember_weight(w_q)
+    out = operands_product(x_q, w_q, _output_dtype(x), bias)
+    call.forward_done()
+    return out, x_q, w_q
+
+
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    device_type = "cpu" if x.is_cpu else x.device.type  # (no torch.device made per call)
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+class LinearFunction(torch.autograd.Function):
+    """FP8 forward and both backward GEMMs, saving only quantized operands.
+
+    It receives what it needs (the per-call object, the weight cache, the micro-batch
+    flag), never the module.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        call: Any,
+        weight_cache: WeightCache,
+        first: bool | None,
+    ) -> torch.Tensor:
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # A high-precision wgrad (the plan says) takes x itself: no FP8 x.T to make.
+        hp_wgrad = need_wgrad and call.wgrad_high_precision
+        fp8_wgrad = need_wgrad and not hp_wgrad
+        out, x_q, w_q = forward_gemm(
+            x, weight, bias, call, weight_cache, first, need_dgrad, fp8_wgrad
+        )
+        # Backward contracts over the other dim of each operand: keep only the
+        # column-wise layouts, in FP8, flattened to tensors so saved-tensor hooks see them.
+        saved = [
+            x_q.columnwise_operand() if fp8_wgrad else None,
+            w_q.columnwise_operand() if need_dgrad else None,
+        ]
+        tensors, ctx.shells = _strip_tensors(saved)
+        if torch.compiler.is_compiling():
+            # A traced autograd Function cannot save views of its intermediates (transposed
+            # layouts often are): compiled code saves copies, which Inductor fuses.
+            tensors = [t.clone(memory_format=torch.contiguous_format) for t in tensors]
+        # The high-precision wgrad's input goes last, and its GEMM's dtype: the forward's.
+        ctx.wgrad_dtype = _output_dtype(x) if hp_wgrad else None
+        if hp_wgrad:
+            tensors.append(x)
+        ctx.save_for_backward(*tensors)
+        ctx.call = call
+        ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return out
+
+    @staticmethod
+    @annotate("fastcast.Linear.backward", instance_name="_fc_name")
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
+        saved = ctx.saved_tensors  # (each access unpacks them again under hooks)
+        x_t, w_t = _restore_tensors(saved, ctx.shells)
+        call = ctx.call
+        need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
+        g2d = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
+        dgrad = wgrad = bgrad = None
+        hp_dtype = ctx.wgrad_dtype
+        fp8_wgrad = need_wgrad and hp_dtype is None
+        if need_dgrad or fp8_wgrad:
+            g_q = call.grad_q.quantize(g2d, rowwise=need_dgrad, columnwise=fp8_wgrad)
+        if need_dgrad:  # [M, N] @ [N, K]
+            dgrad = operands_product(g_q, w_t, x_dtype)
+            if len(x_shape) != 2:
+                dgrad = dgrad.reshape(x_shape)
+        if fp8_wgrad:  # [N, M] @ [M, K]
+            wgrad = operands_product(g_q.columnwise_operand(), x_t, w_dtype)
+        elif need_wgrad:
+            wgrad = _wgrad_high_precision(g2d, saved[-1], hp_dtype, w_dtype)
+        if need_bgrad:
+            bgrad = g2d.sum(dim=0, dtype=torch.float32)
+            if b_dtype != torch.float32:
+                bgrad = bgrad.to(b_dtype)
+        call.backward_done()
+        return dgrad, wgrad, bgrad, None, None, None
+
+
+def _wgrad_high_precision(
+    g2d: torch.Tensor, x: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``g.T @ x`` in ``dtype`` (the forward's: the input's, or torch.autocast's), as
+    nn.Linear's backward computes it, returned in ``out_dtype`` (the weight's)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    return (g2d.to(dtype).t() @ x2d.to(dtype)).to(out_dtype)
+
+
+def _strip_tensors(
+    items: list[QuantizedTensor | None],
+) -> tuple[list[torch.Tensor], list[tuple[QuantizedTensor, list[str]] | None]]:
+    """Take the inner tensors out of freshly made operands (for ``save_for_backward``,
+    so that saved-tensor hooks see them); the tensor-free shells stay on ``ctx``."""
+    tensors: list[torch.Tensor] = []
+    shells: list[tuple[QuantizedTensor, list[str]] | None] = []
+    for item in items:
+        if item is None:
+            shells.append(None)
+            continue
+        names = [n for n in item.inner_names if getattr(item, n) is not None]
+        for name in names:
+            tensors.append(getattr(item, name))
+            setattr(item, name, None)
+        shells.append((item, names))
+    return tensors, shells
+
+
+def _restore_tensors(tensors: tuple[torch.Tensor, ...], shells: list) -> list[Any]:
+    """Put the (possibly unpacked by hooks) saved tensors back into their shells."""
+    out: list[Any] = []
+    it = iter(tensors)
+    for shell in shells:
+        if shell is None:
+            out.append(None)
+            continue
+        item, names = shell
+        if torch.compiler.is_compiling():  # traced backward may not mutate forward's objects
+            item = item._clone_meta()
+        for name in names:
+            setattr(item, name, next(it))
+        out.append(item)
+    return out

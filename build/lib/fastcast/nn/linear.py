@@ -1,0 +1,323 @@
+"""``fc.Linear``: ``nn.Linear`` whose GEMMs run in FP8/FP4 inside ``fc.autocast``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..checkpoint import (
+    EXTRA_STATE_KEY,
+    decode_extra_state,
+    encode_extra_state,
+    legacy_pickled_state,
+)
+from ..delayed import ScalingMeta
+from ..profiling import annotate
+from ..quantize.base import check_input
+from ..recipe import Recipe
+from ..recompute import RecomputeLog, checkpoint_region
+from ..schemes import Plan, scheme_for
+from ..state import OUTSIDE, AutocastFrame, get_stack
+from .function import LinearFunction, forward_gemm
+from .weight_cache import WeightCache
+
+
+class Linear(nn.Linear):
+    """Drop-in for ``nn.Linear``: same constructor, parameters and state-dict keys, plus
+    ``_extra_state``: one small float32 tensor (``fastcast.checkpoint`` has its layout),
+    holding the delayed-scaling amax histories and scales when the module has them.
+
+    Outside ``fc.autocast`` (or with ``enabled=False``) it computes exactly what
+    ``nn.Linear`` does. Inside, forward, dgrad and wgrad GEMMs take quantized operands
+    (``recipe`` decides the formats); the bias is added in FP32, and the output has the
+    input's dtype, or ``torch.autocast``'s when that is active too. Dtypes follow
+    ``nn.Linear``'s rules: input, weight and bias must share one unless ``torch.autocast``
+    is on for the input's device. Any number of tokens (leading dims) works: where a
+    recipe's backward needs the token count to be a multiple of its block (32 for MXFP8,
+    16 for NVFP4), the input is padded with zero rows, and the padding never reaches the
+    output or the gradients. Errors raised in a quantized forward name the layer (its
+    qualified name when ``fc.convert`` made it).
+
+    It subclasses ``nn.Linear``, as torchao's ``Float8Linear`` does, so that code testing
+    ``isinstance(m, nn.Linear)`` (weight initialisation in Hugging Face models, PEFT/LoRA
+    wrapping, parallelisation plans) keeps treating it as a linear layer; code that tests
+    ``type(m) is nn.Linear`` (``fc.convert`` itself) does not. Code that reads ``m.weight``
+    and calls ``F.linear`` itself, as ``nn.MultiheadAttention`` does with its output
+    projection, bypasses the quantized GEMMs, as it would bypass any ``forward``.
+
+    ``forward(x, is_first_microbatch=None)``: ``True`` quantizes the weight and keeps
+    it, ``False`` reuses the kept one for the following micro-batches of the step; the
+    kept weight is dropped as soon as the weight changes (its version counter moves, or
+    any optimizer steps: fused optimizers leave the version counter alone).
+    """
+
+    # Qualified name in the model fc.convert swapped this layer into (error messages).
+    _fc_name: str | None = None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        # nn.Linear's parameters and initialisation (reset_parameters), then our runtime.
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        # Runtime-only state: rebuilt after pickling, never part of the state dict.
+        self._plan: Plan | None = None
+        self._weight_cache = WeightCache()
+        # Per-module state of stateful schemes (delayed scaling: direction -> ScalingMeta).
+        self._metas: dict[int, ScalingMeta] = {}
+
+    def _get_name(self) -> str:
+        # What repr prints: fastcast.Linear(in_features=.., out_features=.., bias=..).
+        return "fastcast.Linear"
+
+    # -- the hot path ---------------------------------------------------------------------
+    @annotate("fastcast.Linear.forward", instance_name="_fc_name")
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        frame = get_stack()[0]
+        params = self._parameters  # direct: nn.Module.__getattr__ is a slow fallback
+        weight, bias = params["weight"], params["bias"]
+        replay = record = None
+        region = checkpoint_region(frame.active)
+        if region is not None:  # activation checkpointing: record, or replay the original
+            frame, replay, record = self._checkpointed(frame, *region)
+        if not frame.enabled:
+            if frame.calibrating and replay is None:
+                self._calibrate(x, weight, frame)
+            return F.linear(x, weight, bias)
+
+        # Errors below name the layer (see _where); the try costs nothing when none is raised.
+        try:
+            _check_features(x, self.in_features)
+            if x.dtype is not weight.dtype or (bias is not None and bias.dtype is not weight.dtype):
+                _check_dtypes(x, weight, bias)
+            if x.numel() == 0:  # nothing to quantize (an MoE expert without tokens, say)
+                return F.linear(x, weight, bias)
+            plan = plan_for(self, frame, weight)
+            autograd = torch.is_grad_enabled() and (
+                x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+            )
+            call = plan.call(autograd, replay, record)
+            cache = self._weight_cache
+            if not autograd:
+                return forward_gemm(
+                    x, weight, bias, call, cache, is_first_microbatch, False, False
+                )[0]
+            rows = x.numel() // self.in_features
+            if rows % plan.row_alignment and weight.requires_grad:
+                return _padded(
+                    x, rows, plan.row_alignment, weight, bias, call, cache, is_first_microbatch
+                )
+            return LinearFunction.apply(x, weight, bias, call, cache, is_first_microbatch)
+        except _NAMED as exc:
+            if type(exc) in _NAMED:  # subclasses (out of memory, say) pass through as they are
+                raise type(exc)(f"{self._where()}: {exc}") from exc
+            raise
+
+    def _where(self, key: str | None = None) -> str:
+        """The layer, for error messages: its name in the model fc.convert saw, if any,
+        and the state-dict ``key`` being loaded."""
+        features = f"in_features={self.in_features}, out_features={self.out_features}"
+        name = self._fc_name
+        where = f"fc.Linear {name!r} ({features})" if name else f"fc.Linear({features})"
+        return where if key is None else f"{where} at {key!r}"
+
+    def _checkpointed(
+        self, frame: AutocastFrame, log: RecomputeLog, recomputing: bool
+    ) -> tuple[AutocastFrame, Any, Any]:
+        """``(frame, replay, record)`` for a call inside a checkpointed region: the
+        recomputation runs under the original call's frame and replays its entry (a call
+        that recorded nothing ran in high precision); an original call records one."""
+        if recomputing:
+            entry = log.replay(self)
+            return (OUTSIDE, None, None) if entry is None else (entry[0], entry, None)
+        return frame, None, (log.record(self, frame) if frame.active else None)
+
+    def _calibrate(self, x: torch.Tensor, weight: torch.Tensor, frame: AutocastFrame) -> None:
+        """High-precision run that lets stateful schemes record what they need."""
+        plan_for(self, frame, weight).calibrate(x, weight)
+
+    # -- state: _extra_state, loading, device moves, pickling -------------------------------
+    def prepare_state(self, recipe: Recipe) -> None:
+        """Create the state ``recipe`` keeps per module (delayed scaling: fresh amax
+        histories and scales) now rather than at the first forward, so that this module's
+        state dict already has the layout a trained one saves (DCP loads in place and
+        needs it). ``fc.convert(..., recipe=...)`` calls this; stateless recipes keep
+        nothing. State the module already has is left as it is."""
+        device = self.weight.device
+        if device.type == "meta":  # materialised later by to_empty(), which _apply follows
+            device = torch.device("cpu")
+        scheme_for(recipe).prepare(recipe, self._metas, device)
+
+    def get_extra_state(self) -> torch.Tensor:
+        """A 1-D float32 CPU tensor (``fastcast.checkpoint`` documents the layout)."""
+        return encode_extra_state(self._metas)
+
+    def set_extra_state(self, state: Any) -> None:
+        # A state that _load_from_state_dict (or the model's pre-hook) already decoded is
+        # taken as it is; any other is decoded here.
+        checked = self.__dict__.pop("_fc_checked", None)
+        if checked is not None and checked[0] is state:
+            metas = checked[1]
+        else:
+            metas = decode_extra_state(state, owner=self._where())
+        # The old metas are simply dropped: slabs hold members weakly and compact dead
+        # columns at their next update (leaving each slab now would rebuild it per module).
+        _follow_weight(metas, self._parameters["weight"])
+        # Plain attributes: __dict__ directly, as nn.Module.__setattr__ would (faster).
+        self.__dict__.update(_metas=metas, _plan=None)
+        self._weight_cache.clear()
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        key = prefix + EXTRA_STATE_KEY
+        args = (local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if key in state_dict:
+            # Decoded (validated) before nn.Module writes any parameter, so a refused
+            # state leaves the module as it was; nn.Module then hands it to
+            # set_extra_state, which takes the decoded metas.
+            state = state_dict[key]
+            checked = self.__dict__.get("_fc_checked")
+            if checked is None or checked[0] is not state:
+                metas = decode_extra_state(state, owner=self._where(key))
+                self.__dict__["_fc_checked"] = (state, metas)
+            super()._load_from_state_dict(state_dict, prefix, *args)
+            return
+        # nn.Linear's checkpoint (or a partial one): not a missing key, even with
+        # strict=True. New weights make the old scales meaningless: start them afresh.
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        if key in missing_keys:
+            missing_keys.remove(key)
+        if prefix + "weight" in state_dict:
+            for meta in self._metas.values():
+                meta.reset()
+            self._weight_cache.clear()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Linear:
+        super()._apply(fn, recurse)
+        _follow_weight(self._metas, self.weight)
+        self._plan = None
+        self._weight_cache.clear()
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_metas"] = self.get_extra_state()
+        # Runtime-only: rebuilt by _init_runtime on unpickling.
+        del state["_plan"], state["_weight_cache"]
+        state.pop("_fc_checked", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        metas = legacy_pickled_state(state.pop("_metas", None))
+        self.__dict__.update(state)
+        self._init_runtime()
+        self.set_extra_state(metas)
+
+
+def _follow_weight(metas: dict[int, ScalingMeta], weight: torch.Tensor) -> None:
+    """Move ``metas`` to ``weight``'s device. Scales stay FP32 whatever the parameters'
+    dtype; they do not follow to the meta device, which would lose their values."""
+    device = weight.device
+    if device.type == "meta":
+        return
+    for meta in metas.values():
+        if meta.history.device != device:
+            meta.move_to(device)
+
+
+def validate_extra_states(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any
+) -> None:
+    """Load pre-hook (``fc.convert`` installs it on the model): decode every ``fc.Linear``
+    extra state of ``state_dict`` below ``module`` before the first parameter is written,
+    so that one refused state (a later layer's) leaves the whole model as it was."""
+    checked = []
+    for name, sub in module.named_modules(prefix=prefix.rstrip("."), remove_duplicate=False):
+        if isinstance(sub, Linear) and sub is not module:
+            key = f"{name}.{EXTRA_STATE_KEY}" if name else EXTRA_STATE_KEY
+            if key in state_dict:
+                state = state_dict[key]
+                checked.append((sub, state, decode_extra_state(state, sub._where(key))))
+    # All valid: each module takes its decoded state when the load reaches it (if it is
+    # still the same object then), rather than decoding it a second time.
+    for sub, state, metas in checked:
+        sub.__dict__["_fc_checked"] = (state, metas)
+
+
+def plan_for(module: Linear, frame: AutocastFrame, weight: torch.Tensor) -> Plan:
+    """``module``'s plan for the frame's (recipe, group), rebuilt only when it changes.
+
+    (A function, not a method, so that ``fastcast.dynamo`` can give compiled code its own.)
+    """
+    plan = module._plan
+    if plan is None or not plan.matches(frame):
+        scheme = scheme_for(frame.recipe)
+        plan = module._plan = scheme.plan(frame, module._metas, weight.device)
+    return plan
+
+
+# Exceptions forward re-raises with the layer's name in front (exact types only).
+_NAMED = (ValueError, TypeError, RuntimeError)
+
+
+def _check_features(x: torch.Tensor, in_features: int) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != in_features:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"expects input [..., {in_features}], got {shape}")
+    check_input(x)
+
+
+def _check_dtypes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """nn.Linear's rule for dtypes that differ: fine under torch.autocast for the input's
+    device type (which casts them), a RuntimeError otherwise."""
+    if torch.is_autocast_enabled(x.device.type):
+        return
+    if x.dtype is not weight.dtype:
+        raise RuntimeError(
+            f"mat1 and mat2 must have the same dtype, but got {x.dtype} (input) and "
+            f"{weight.dtype} (weight), as nn.Linear requires outside torch.autocast"
+        )
+    raise RuntimeError(
+        f"bias and weight must have the same dtype, but got {bias.dtype} (bias) and "
+        f"{weight.dtype} (weight), as nn.Linear requires outside torch.autocast"
+    )
+
+
+def _padded(
+    x: torch.Tensor,
+    rows: int,
+    align: int,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    call: Any,
+    cache: WeightCache,
+    first: bool | None,
+) -> torch.Tensor:
+    """LinearFunction over ``x``'s ``[R, K]`` rows padded with zero rows to a multiple of
+    ``align`` (the column-wise blocks of the weight gradient run along R), sliced back.
+
+    Autograd does the rest: the sliced-off rows get zero gradients and the pad's backward
+    drops their input gradients; zero rows in both the input and the gradient add nothing
+    to the weight gradient, nor to the bias gradient.
+    """
+    x2d = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % align))
+    out = LinearFunction.apply(x2d, weight, bias, call, cache, first)[:rows]
+    return out.view(*x.shape[:-1], out.shape[-1])

@@ -1,0 +1,1074 @@
+"""Reading pickles without trusting them, and unpickling the little fastcast accepts.
+
+``describe_pickle`` says what a payload would import and call, found by running a model
+of the pickle machine over its opcodes: the stack, marks and memo hold symbols instead of
+objects, and nothing is imported or called. The payload may be a bare pickle, a
+``torch.save`` zip archive (every ``*.pkl`` entry is read) or a legacy ``torch.save``
+stream (several pickles in a row), and the bytes handed to
+``torch.storage._load_from_bytes`` (how a tensor pickles outside ``torch.save``, which
+TransformerEngine uses) are described in turn. Describing is bounded: past the caps below
+the answer is "too large to describe", and where the model cannot know what would run
+(a global whose name is computed at load time, say) the answer says "unknown" rather than
+listing only what it could see.
+
+``unpickle`` is only called inside ``fc.allow_unsafe_extra_state()``. Even there no
+ordinary unpickler runs: the payload must first be described without surprises, and is
+then loaded by a ``pickle.Unpickler`` whose ``find_class`` allows only what
+TransformerEngine's extra state is made of (plain containers, tensors and storages,
+``collections.OrderedDict``, and TransformerEngine's recipe classes, which become
+stand-ins). The bytes given to ``torch.storage._load_from_bytes`` are loaded with
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import codecs
+import collections
+import ctypes
+import io
+import pickle
+import pickletools
+import struct
+import sys
+import zipfile
+import zlib
+from typing import Any
+
+import torch
+
+from .te_state import TE_RECIPE_MODULE, TE_STAND_INS
+
+ZIP_MAGIC = b"PK\x03\x04"  # how every torch.save archive starts
+
+# Caps on describing: the bytes of a payload looked at, the bytes of pickle read (nested
+# and archived pickles included), the opcodes modelled, the memo, how deep payloads may
+# nest, and the size and entries of a zip archive (Python's zipfile reads the whole
+# central directory at once).
+_MAX_PAYLOAD = 64 << 20
+_MAX_PICKLE_BYTES = 16 << 20
+_MAX_ARCHIVE = 16 << 20
+_MAX_OPCODES = 200_000
+_MAX_MEMO = 50_000
+_MAX_NESTING = 3
+_MAX_ZIP_ENTRIES = 1024
+_MAX_GLOBALS = 1024
+# A legacy torch.save stream is five pickles (magic number, protocol, system information,
+# the object, the storage keys) followed by raw storage bytes.
+_MAX_PICKLES_PER_STREAM = 5
+# What the description shows.
+_SHOWN_GLOBALS = 40
+_SHOWN_CHARS = 120
+_SHOWN_REASONS = 6
+_KEPT_NOTES = 64  # reasons for "unknown" and malformed pickles kept, of which some are shown
+
+# The loaders that unpickle bytes given to them: what they are given is described too.
+_NESTED_LOADERS = frozenset({"torch.storage._load_from_bytes", "pickle.loads", "_pickle.loads"})
+
+
+# -- the payload's bytes ----------------------------------------------------------------------
+def payload_bytes(payload: Any) -> bytes:
+    """The bytes of a payload: ``bytes``, ``bytearray``, ``io.BytesIO`` or a uint8 tensor."""
+    if isinstance(payload, io.BytesIO):
+        return payload.getvalue()
+    if isinstance(payload, torch.Tensor):
+        return _tensor_bytes(payload)
+    return bytes(payload)
+
+
+def _payload_size(payload: Any) -> int:
+    if isinstance(payload, io.BytesIO):
+        with payload.getbuffer() as view:
+            return view.nbytes
+    if isinstance(payload, torch.Tensor):
+        return payload.numel() * payload.element_size()
+    with memoryview(payload) as view:
+        return view.nbytes
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's bytes in one copy, without NumPy (which torch does not require) and
+    without ``.tolist()`` (a Python int per byte)."""
+    flat = tensor.detach().reshape(-1).cpu().contiguous()
+    size = flat.numel() * flat.element_size()
+    if size == 0:
+        return b""
+    address = flat.data_ptr()
+    if not address:
+        raise ValueError("a tensor without CPU memory to read the payload from")
+    return ctypes.string_at(address, size)
+
+
+# -- describing ---------------------------------------------------------------------------------
+class PickleReport:
+    """What ``inspect_pickle`` found: the globals a payload imports (in order, each with
+    how it is used), the reasons what it would run is unknown, and whether it was too
+    large to describe. ``str()`` gives the description."""
+
+    __slots__ = ("size", "kind", "imports", "refused", "unknown", "failures", "too_large", "nested")
+
+    def __init__(self, size: int, kind: str) -> None:
+        self.size = size
+        self.kind = kind
+        self.imports: dict[str, dict[str, None]] = {}  # shown name -> how it is used
+        self.refused: dict[str, None] = {}  # globals the restricted unpickler refuses
+        self.unknown: dict[str, None] = {}  # why what it would run is unknown
+        self.failures: list[str] = []  # where an ordinary unpickler would fail
+        self.too_large: str | None = None
+        self.nested = 0  # payloads found nested in it
+
+    @property
+    def loadable(self) -> bool:
+        """Whether the restricted loader may try it: described in full, well formed,
+        nothing unknown, and every global one that it allows."""
+        return not (self.too_large or self.unknown or self.refused or self.failures)
+
+    def __str__(self) -> str:
+        head = f"{self.size}-byte {self.kind}"
+        if self.nested:
+            head += f" with {self.nested} nested pickled payload{'s' * (self.nested > 1)}"
+        listing = self._listing()
+        if self.too_large is not None:
+            text = f"{head}, too large to describe ({self.too_large})"
+            if listing:
+                text += f"; the part read imports {listing}"
+        elif self.unknown:
+            shown = list(self.unknown)[:_SHOWN_REASONS]
+            more = len(self.unknown) - len(shown)
+            text = f"{head}; what it would run is unknown: it {'; it '.join(shown)}"
+            text += f" (and {more} more)" if more else ""
+            if listing:
+                text += f"; it imports at least {listing}"
+        elif listing:
+            text = f"{head} importing {listing}"
+        else:
+            text = f"{head}, importing nothing"
+        if self.failures:
+            text += f"; an ordinary unpickler would stop where the {self.failures[0]}"
+        if self.refused:
+            refused = _enumerate(list(self.refused))
+            text += f"; not allowed even inside fc.allow_unsafe_extra_state(): {refused}"
+        return text
+
+    def _listing(self) -> str:
+        return _enumerate(
+            [f"{name} ({', '.join(uses)})" if uses else name for name, uses in self.imports.items()]
+        )
+
+
+def _enumerate(items: list[str]) -> str:
+    """'a, b and c', at most ``_SHOWN_GLOBALS`` of them."""
+    if len(items) > _SHOWN_GLOBALS:
+        items = [*items[:_SHOWN_GLOBALS], f"{len(items) - _SHOWN_GLOBALS} more"]
+    if len(items) > 1:
+        return f"{', '.join(items[:-1])} and {items[-1]}"
+    return items[0] if items else ""
+
+
+def inspect_pickle(payload: Any) -> PickleReport:
+    """Describe a payload (bytes, ``BytesIO`` or uint8 tensor) without executing it."""
+    size = _payload_size(payload)
+    if size > _MAX_PAYLOAD:
+        report = PickleReport(size, "payload")
+        report.too_large = f"over {_MAX_PAYLOAD >> 20} MiB"
+        return report
+    data = payload_bytes(payload)
+    zipped = data.startswith(ZIP_MAGIC)
+    report = PickleReport(size, "torch.save archive" if zipped else "pickle")
+    model = _Model(report)
+    try:
+        if zipped:
+            model.archive(data, 0, len(data), depth=0)
+        else:
+            model.stream(data, 0, len(data), depth=0, where="pickle")
+    except _TooLarge as exc:
+        report.too_large = str(exc)
+    except Exception as exc:  # noqa: BLE001 - a fault of the model must not pass as a description
+        report.unknown[f"could not be described ({type(exc).__name__}: {exc})"] = None
+    return report
+
+
+def describe_pickle(payload: Any) -> str:
+    """What a payload would import and call, read without executing anything."""
+    return str(inspect_pickle(payload))
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _Malformed(Exception):
+    """A pickle an ordinary unpickler would stop reading at ``at``."""
+
+    def __init__(self, message: str, at: int = -1) -> None:
+        super().__init__(message)
+        self.at = at
+
+
+# The symbols the model's stack holds. Strings are ``str``, tuples are ``tuple`` (their
+# items are what REDUCE and friends are given); any other data is ``_DATA``.
+class _Global:
+    """A global the pickle imported."""
+
+    __slots__ = ("key", "shown")
+
+    def __init__(self, key: str | None, shown: str) -> None:
+        self.key = key  # module.name, as imported; None when too long to be a real one
+        self.shown = shown
+
+
+class _Result:
+    """What calling (or instantiating) a global returned."""
+
+    __slots__ = ("source", "state_set")
+
+    def __init__(self, source: _Global) -> None:
+        self.source = source
+        self.state_set = False
+
+
+class _Unknown:
+    """A value only known at load time (a persistent reference, say)."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+
+class _Bytes:
+    """Bytes the pickle holds: a slice of a buffer, not copied."""
+
+    __slots__ = ("buf", "start", "end")
+
+    def __init__(self, buf: bytes, start: int, end: int) -> None:
+        self.buf, self.start, self.end = buf, start, end
+
+
+_DATA = object()  # numbers, None, lists, dicts, sets: what no global can hide in as a name
+_NOTHING = object()  # what an ordinary unpickler fails on (an empty stack, a missing memo entry)
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+
+def _old_name(module: str, name: str) -> tuple[str, str]:
+    """The Python 3 name of a Python 2 global, as pickle maps it for protocols 0 to 2."""
+    mapped = _compat_pickle.NAME_MAPPING.get((module, name))
+    if mapped is not None:
+        return mapped
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
+class _Model:
+    """Describes the payloads of one report, spending one budget across all of them."""
+
+    def __init__(self, report: PickleReport) -> None:
+        self.report = report
+        self.opcodes = 0
+        self.pickle_bytes = 0
+
+    def spend(self, size: int, what: str) -> None:
+        self.pickle_bytes += size
+        if self.pickle_bytes > _MAX_PICKLE_BYTES:
+            raise _TooLarge(f"over {_MAX_PICKLE_BYTES >> 20} MiB of pickle to read, at {what}")
+
+    def reason(self, text: str) -> None:
+        if len(self.report.unknown) < _KEPT_NOTES:
+            self.report.unknown[text] = None
+
+    # -- what the opcodes do ----------------------------------------------------------------
+    def import_global(self, module: str, name: str, proto: int) -> _Global:
+        written = (module, name)
+        if proto < 3:  # pickle.Unpickler's fix_imports, on by default
+            module, name = _old_name(module, name)
+        if len(module) + len(name) > 4 * _SHOWN_CHARS:
+            key, shown = None, f"{_clip(module)}.{_clip(name)}"
+        else:
+            key = f"{module}.{name}"
+            shown = _clip(key)
+        uses = self.report.imports.get(shown)
+        if uses is None:
+            if len(self.report.imports) >= _MAX_GLOBALS:
+                raise _TooLarge(f"over {_MAX_GLOBALS} different globals")
+            uses = self.report.imports[shown] = {}
+        if written != (module, name):
+            uses[f"written {_clip('.'.join(written))}"] = None
+        if _allowed(*written) is None:
+            self.report.refused[shown] = None
+        return _Global(key, shown)
+
+    def call(self, func: Any, args: Any, depth: int) -> Any:
+        if isinstance(func, _Global):
+            self.report.imports[func.shown]["called"] = None
+            if func.key in _NESTED_LOADERS:
+                data = args[0] if isinstance(args, tuple) and args else None
+                if isinstance(data, _Bytes):
+                    self.nested(data, depth + 1)
+                else:
+                    self.reason(f"gives {func.shown} data computed at load time")
+            elif func.key == "_codecs.encode":
+                encoded = _latin1_model(args)
+                if encoded is not None:
+                    return encoded
+            return _Result(func)
+        if isinstance(func, _Result):
+            self.reason(f"calls what {func.source.shown} returned")
+            return _Unknown(f"the result of calling what {func.source.shown} returned")
+        if isinstance(func, _Unknown):
+            self.reason(f"calls {func.what}")
+            return _Unknown(f"the result of calling {func.what}")
+        return _NOTHING  # not callable: an ordinary unpickler stops here
+
+    def change(self, target: Any, how: str) -> None:
+        """``BUILD`` (how="sets the state of") or adding items to ``target``."""
+        if isinstance(target, _Global):
+            self.report.imports[target.shown]["modified"] = None
+            self.reason(f"changes {target.shown} itself")
+        elif isinstance(target, _Result):
+            if target.state_set:
+                # Setting an instance's state can give it attributes (a __setstate__, an
+                # append) that the next BUILD or APPEND calls: anything.
+                self.reason(f"{how} a {target.source.shown} object whose state it already set")
+            if how == "sets the state of":
+                target.state_set = True
+        elif isinstance(target, _Unknown):
+            self.reason(f"{how} {target.what}")
+
+    # -- payloads ---------------------------------------------------------------------------
+    def nested(self, data: _Bytes, depth: int) -> None:
+        if depth > _MAX_NESTING:
+            raise _TooLarge(f"payloads nested over {_MAX_NESTING} deep")
+        self.report.nested += 1
+        if data.buf.startswith(ZIP_MAGIC, data.start, data.end):
+            self.archive(data.buf, data.start, data.end, depth)
+        else:
+            self.stream(data.buf, data.start, data.end, depth, where="nested pickle")
+
+    def stream(self, buf: bytes, start: int, end: int, depth: int, where: str) -> None:
+        """Pickles one after another, as ``torch.load`` reads a legacy stream."""
+        self.spend(end - start, where)
+        pos, count = start, 0
+        while pos < end and count < _MAX_PICKLES_PER_STREAM:
+            try:
+                pos = _Machine(self, depth).run(buf, pos, end)
+            except _Malformed as exc:
+                if count == 0 or exc.at != pos:  # else: trailing bytes, not a pickle
+                    at = exc.at - start
+                    if len(self.report.failures) < _KEPT_NOTES:
+                        self.report.failures.append(f"{where} is malformed at byte {at}: {exc}")
+                return
+            count += 1
+
+    def archive(self, buf: bytes, start: int, end: int, depth: int) -> None:
+        """Every ``*.pkl`` entry of a zip archive (a decoy entry must not hide the real one)."""
+        if end - start > _MAX_ARCHIVE:
+            raise _TooLarge(f"a zip archive over {_MAX_ARCHIVE >> 20} MiB")
+        data = buf if (start, end) == (0, len(buf)) else buf[start:end]
+        if depth:
+            self.spend(len(data), "a nested zip archive")
+        entries = data.count(b"PK\x01\x02")  # an upper bound on the central directory's entries
+        if entries > _MAX_ZIP_ENTRIES:
+            raise _TooLarge(f"a zip archive with over {_MAX_ZIP_ENTRIES} entries")
+        try:
+            archive = zipfile.ZipFile(io.BytesIO(data))
+        except _ZIP_ERRORS as exc:
+            self.reason(f"is a zip archive Python's zipfile cannot read ({exc})")
+            return
+        with archive:
+            for info in archive.infolist():
+                name = info.filename
+                if name == "constants.pkl" or name.endswith("/constants.pkl"):
+                    self.reason(
+                        "is a TorchScript archive, which torch.load hands to torch.jit.load "
+                        "(running its code)"
+                    )
+                if name.endswith(".pkl"):
+                    self.archived_pickle(archive, info, depth)
+
+    def archived_pickle(self, archive: zipfile.ZipFile, info: zipfile.ZipInfo, depth: int) -> None:
+        where = f"entry {_clip(info.filename)!r}"
+        if info.flag_bits & 0x1:
+            self.reason(f"holds an encrypted {where}")
+            return
+        if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+            self.reason(f"holds {where} compressed in a way torch does not read")
+            return
+        room = _MAX_PICKLE_BYTES - self.pickle_bytes
+        if info.file_size > room:
+            raise _TooLarge(f"{where} holds {info.file_size} bytes")
+        try:
+            with archive.open(info) as entry:
+                data = entry.read(room + 1)  # the header's size may lie; never read past room
+        except _ZIP_ERRORS as exc:
+            self.reason(f"holds {where}, which cannot be read ({exc})")
+            return
+        if len(data) > room:
+            raise _TooLarge(f"{where} holds more than {room} bytes")
+        self.stream(data, 0, len(data), depth, where=where)
+
+
+# What reading a damaged or unusual zip archive raises (NotImplementedError: a zip feature
+# Python's zipfile lacks; RuntimeError: encryption; OverflowError: an absurd offset).
+_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    NotImplementedError,
+    RuntimeError,
+    OverflowError,
+    OSError,
+    ValueError,
+    EOFError,
+    zlib.error,
+)
+
+
+def _latin1_model(args: Any) -> _Bytes | None:
+    """``_codecs.encode(text, "latin1")``: how protocols 0 to 2 pickle bytes."""
+    if (
+        isinstance(args, tuple)
+        and len(args) == 2
+        and isinstance(args[0], str)
+        and args[1] in ("latin1", "latin-1")
+    ):
+        try:
+            data = args[0].encode("latin-1")
+        except UnicodeEncodeError:
+            return None
+        return _Bytes(data, 0, len(data))
+    return None
+
+
+class _Machine:
+    """One pickle's stack, marks and memo, as an unpickler holds them, but of symbols.
+
+    Where an ordinary unpickler would fail (popping an empty stack, reading a memo entry
+    never stored) the model goes on with ``_NOTHING``: it may report more than would run,
+    never less.
+    """
+
+    __slots__ = ("model", "depth", "stack", "marks", "memo", "proto")
+
+    def __init__(self, model: _Model, depth: int) -> None:
+        self.model = model
+        self.depth = depth
+        self.stack: list[Any] = []
+        self.marks: list[list[Any]] = []
+        self.memo: dict[int, Any] = {}
+        self.proto = 0
+
+    def run(self, buf: bytes, pos: int, end: int) -> int:
+        """Model the pickle at ``pos``; return where it ends (after STOP)."""
+        model = self.model
+        while True:
+            at = pos
+            if pos >= end:
+                raise _Malformed("it ends before STOP", at)
+            code = buf[pos]
+            op = _OPS[code]
+            if op is None:
+                raise _Malformed(f"unknown opcode {code:#04x}", at)
+            model.opcodes += 1
+            if model.opcodes > _MAX_OPCODES:
+                raise _TooLarge(f"over {_MAX_OPCODES} opcodes")
+            reader, handler = op
+            try:
+                arg, pos = reader(buf, pos + 1, end)
+            except _Malformed as exc:
+                raise _Malformed(str(exc), at) from None
+            if handler is None:  # STOP
+                return pos
+            handler(self, arg)
+
+    # -- the stack --------------------------------------------------------------------------
+    def push(self, value: Any) -> None:
+        self.stack.append(value)
+
+    def pop(self) -> Any:
+        return self.stack.pop() if self.stack else _NOTHING
+
+    def top(self) -> Any:
+        return self.stack[-1] if self.stack else _NOTHING
+
+    def pop_mark(self) -> list[Any]:
+        items = self.stack
+        self.stack = self.marks.pop() if self.marks else []
+        return items
+
+    def remember(self, index: int) -> None:
+        if index < 0:
+            raise _Malformed("a negative memo index")
+        if index >= _MAX_MEMO or (index not in self.memo and len(self.memo) >= _MAX_MEMO):
+            raise _TooLarge(f"over {_MAX_MEMO} memo entries")
+        self.memo[index] = self.top()
+
+    # -- opcodes ----------------------------------------------------------------------------
+    def op_data(self, arg: Any) -> None:
+        self.stack.append(_DATA)
+
+    def op_value(self, arg: Any) -> None:  # strings and bytes: the value read
+        self.stack.append(arg)
+
+    def op_empty_tuple(self, arg: Any) -> None:
+        self.stack.append(())
+
+    def op_mark(self, arg: Any) -> None:
+        self.marks.append(self.stack)
+        self.stack = []
+
+    def op_tuple(self, arg: Any) -> None:
+        self.push(tuple(self.pop_mark()))
+
+    def op_tuple1(self, arg: Any) -> None:
+        self.push((self.pop(),))
+
+    def op_tuple2(self, arg: Any) -> None:
+        second = self.pop()
+        self.push((self.pop(), second))
+
+    def op_tuple3(self, arg: Any) -> None:
+        third, second = self.pop(), self.pop()
+        self.push((self.pop(), second, third))
+
+    def op_collect(self, arg: Any) -> None:  # LIST, DICT, FROZENSET
+        self.pop_mark()
+        self.push(_DATA)
+
+    def op_append(self, arg: Any) -> None:
+        self.pop()
+        self.model.change(self.top(), "adds items to")
+
+    def op_setitem(self, arg: Any) -> None:
+        self.pop()
+        self.pop()
+        self.model.change(self.top(), "adds items to")
+
+    def op_add_marked(self, arg: Any) -> None:  # APPENDS, SETITEMS, ADDITEMS
+        self.pop_mark()
+        self.model.change(self.top(), "adds items to")
+
+    def op_pop(self, arg: Any) -> None:
+        if self.stack:
+            self.stack.pop()
+        else:  # what pickle does too: an empty stack above a mark pops the mark
+            self.pop_mark()
+
+    def op_pop_mark(self, arg: Any) -> None:
+        self.pop_mark()
+
+    def op_dup(self, arg: Any) -> None:
+        self.push(self.top())
+
+    def op_get(self, arg: Any) -> None:
+        self.push(self.memo.get(arg, _NOTHING))
+
+    def op_put(self, arg: Any) -> None:
+        self.remember(arg)
+
+    def op_memoize(self, arg: Any) -> None:
+        self.remember(len(self.memo))
+
+    def op_global(self, arg: Any) -> None:
+        self.push(self.model.import_global(arg[0], arg[1], self.proto))
+
+    def op_stack_global(self, arg: Any) -> None:
+        name, module = self.pop(), self.pop()
+        if isinstance(module, str) and isinstance(name, str):
+            self.push(self.model.import_global(module, name, self.proto))
+        else:
+            self.model.reason("imports a global whose name is computed at load time")
+            self.push(_Unknown("a global whose name is computed at load time"))
+
+    def op_inst(self, arg: Any) -> None:
+        func = self.model.import_global(arg[0], arg[1], self.proto)
+        self.push(self.model.call(func, tuple(self.pop_mark()), self.depth))
+
+    def op_obj(self, arg: Any) -> None:
+        items = self.pop_mark()
+        if items:
+            self.push(self.model.call(items[0], tuple(items[1:]), self.depth))
+        else:
+            self.push(_NOTHING)
+
+    def op_reduce(self, arg: Any) -> None:
+        args = self.pop()
+        self.push(self.model.call(self.pop(), args, self.depth))
+
+    def op_newobj(self, arg: Any) -> None:
+        args = self.pop()
+        self.push(self.model.call(self.pop(), args, self.depth))
+
+    def op_newobj_ex(self, arg: Any) -> None:
+        self.pop()  # keyword arguments
+        args = self.pop()
+        self.push(self.model.call(self.pop(), args, self.depth))
+
+    def op_build(self, arg: Any) -> None:
+        self.pop()
+        self.model.change(self.top(), "sets the state of")
+
+    def op_persid(self, arg: Any) -> None:
+        self.push(_Unknown("a persistent reference"))
+
+    def op_binpersid(self, arg: Any) -> None:
+        self.pop()
+        self.push(_Unknown("a persistent reference"))
+
+    def op_ext(self, arg: Any) -> None:
+        self.model.reason(f"imports the global registered with copyreg under code {arg}")
+        self.push(_Unknown("a global registered with copyreg"))
+
+    def op_proto(self, arg: Any) -> None:
+        self.proto = arg
+
+    def op_nothing(self, arg: Any) -> None:  # FRAME, READONLY_BUFFER
+        pass
+
+
+# -- reading opcode arguments -------------------------------------------------------------------
+def _need(buf: bytes, pos: int, end: int, size: int) -> int:
+    if size < 0 or pos + size > end:
+        raise _Malformed(f"it ends inside an argument of {size} bytes")
+    return pos + size
+
+
+def _fixed(fmt: str) -> Any:
+    unpack, size = struct.Struct(fmt).unpack_from, struct.calcsize(fmt)
+
+    def read(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
+        after = _need(buf, pos, end, size)
+        return unpack(buf, pos)[0], after
+
+    return read
+
+
+def _sized(fmt: str, make: Any) -> Any:
+    """An argument of ``length`` (packed as ``fmt``) bytes, turned into a value by ``make``."""
+    length_of = _fixed(fmt)
+
+    def read(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
+        size, pos = length_of(buf, pos, end)
+        after = _need(buf, pos, end, size)
+        return make(buf, pos, after), after
+
+    return read
+
+
+def _line(buf: bytes, pos: int, end: int) -> tuple[bytes, int]:
+    stop = buf.find(b"\n", pos, end)
+    if stop < 0:
+        raise _Malformed("it ends inside a line argument")
+    return buf[pos:stop], stop + 1
+
+
+def _utf8(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError as exc:
+        raise _Malformed(f"a string that is not UTF-8 ({exc.reason})") from None
+
+
+def _pickle_string(raw: bytes) -> Any:
+    """STRING/BINSTRING: the unpickler decodes these with its ``encoding`` argument, which
+    only agrees across loaders for ASCII."""
+    try:
+        return raw.decode("ascii")
+    except UnicodeDecodeError:
+        return _Unknown("a string whose value depends on the loader's encoding")
+
+
+def _read_none(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
+    return None, pos
+
+
+def _read_line_ignored(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
+    return None, _line(buf, pos, end)[1]
+
+
+def _read_decimal(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
+    raw, pos = _line(buf, pos, end)
+    try:
+        return int(raw), pos  # as the unpickler reads a GET or PUT index
+    except ValueError:
+        raise _Malformed("a malformed decimal argument") from None
+
+
+def _read_quoted(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
+    raw, pos = _line(buf, pos, end)
+    if len(raw) < 2 or raw[0] != raw[-1] or raw[:1] not in (b"'", b'"'):
+        raise _Malformed("a STRING argument without matching quotes")
+    try:
+        value = codecs.escape_decode(raw[1:-1])[0]  # type: ignore[attr-defined]
+    except ValueError as exc:
+        raise _Malformed(f"a malformed STRING argument ({exc})") from None
+    return _pickle_string(value), pos
+
+
+def _read_unicode_line(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
+    raw, pos = _line(buf, pos, end)
+    try:
+        return raw.decode("raw-unicode-escape"), pos
+    except UnicodeDecodeError as exc:
+        raise _Malformed(f"a malformed UNICODE argument ({exc.reason})") from None
+
+
+def _read_global_pair(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
+    module, pos = _line(buf, pos, end)
+    name, pos = _line(buf, pos, end)
+    return (_utf8(module), _utf8(name)), pos
+
+
+_READERS = {
+    None: _read_none,
+    "uint1": _fixed("<B"),
+    "uint2": _fixed("<H"),
+    "int4": _fixed("<i"),
+    "uint4": _fixed("<I"),
+    "uint8": _fixed("<Q"),
+    "float8": _fixed("<d"),
+    "long1": _sized("<B", lambda buf, start, end: None),
+    "long4": _sized("<i", lambda buf, start, end: None),
+    "string1": _sized("<B", lambda buf, start, end: _pickle_string(buf[start:end])),
+    "string4": _sized("<i", lambda buf, start, end: _pickle_string(buf[start:end])),
+    "bytes1": _sized("<B", _Bytes),
+    "bytes4": _sized("<I", _Bytes),
+    "bytes8": _sized("<Q", _Bytes),
+    "bytearray8": _sized("<Q", _Bytes),
+    "unicodestring1": _sized("<B", lambda buf, start, end: _utf8(buf[start:end])),
+    "unicodestring4": _sized("<I", lambda buf, start, end: _utf8(buf[start:end])),
+    "unicodestring8": _sized("<Q", lambda buf, start, end: _utf8(buf[start:end])),
+    "decimalnl_short": _read_decimal,
+    "decimalnl_long": _read_line_ignored,
+    "floatnl": _read_line_ignored,
+    "stringnl": _read_quoted,
+    "stringnl_noescape": _read_line_ignored,
+    "stringnl_noescape_pair": _read_global_pair,
+    "unicodestringnl": _read_unicode_line,
+}
+
+_M = _Machine
+_HANDLERS = {
+    "STOP": None,
+    **dict.fromkeys(
+        (
+            "NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 LONG LONG1 LONG4 FLOAT BINFLOAT "
+            "EMPTY_LIST EMPTY_DICT EMPTY_SET NEXT_BUFFER"
+        ).split(),
+        _M.op_data,
+    ),
+    **dict.fromkeys(
+        (
+            "STRING BINSTRING SHORT_BINSTRING UNICODE BINUNICODE SHORT_BINUNICODE BINUNICODE8 "
+            "BINBYTES SHORT_BINBYTES BINBYTES8 BYTEARRAY8"
+        ).split(),
+        _M.op_value,
+    ),
+    "EMPTY_TUPLE": _M.op_empty_tuple,
+    "MARK": _M.op_mark,
+    "TUPLE": _M.op_tuple,
+    "TUPLE1": _M.op_tuple1,
+    "TUPLE2": _M.op_tuple2,
+    "TUPLE3": _M.op_tuple3,
+    **dict.fromkeys(("LIST", "DICT", "FROZENSET"), _M.op_collect),
+    "APPEND": _M.op_append,
+    "SETITEM": _M.op_setitem,
+    **dict.fromkeys(("APPENDS", "SETITEMS", "ADDITEMS"), _M.op_add_marked),
+    "POP": _M.op_pop,
+    "POP_MARK": _M.op_pop_mark,
+    "DUP": _M.op_dup,
+    **dict.fromkeys(("GET", "BINGET", "LONG_BINGET"), _M.op_get),
+    **dict.fromkeys(("PUT", "BINPUT", "LONG_BINPUT"), _M.op_put),
+    "MEMOIZE": _M.op_memoize,
+    "GLOBAL": _M.op_global,
+    "STACK_GLOBAL": _M.op_stack_global,
+    "INST": _M.op_inst,
+    "OBJ": _M.op_obj,
+    "REDUCE": _M.op_reduce,
+    "NEWOBJ": _M.op_newobj,
+    "NEWOBJ_EX": _M.op_newobj_ex,
+    "BUILD": _M.op_build,
+    "PERSID": _M.op_persid,
+    "BINPERSID": _M.op_binpersid,
+    **dict.fromkeys(("EXT1", "EXT2", "EXT4"), _M.op_ext),
+    "PROTO": _M.op_proto,
+    **dict.fromkeys(("FRAME", "READONLY_BUFFER"), _M.op_nothing),
+}
+
+
+def _unmodelled(name: str) -> Any:
+    def handler(machine: _Machine, arg: Any) -> None:
+        machine.model.reason(f"uses the opcode {name}, which fastcast does not model")
+        machine.push(_Unknown(f"what {name} pushes"))
+
+    return handler
+
+
+def _opcode_table() -> list[Any]:
+    """Per opcode byte: (argument reader, handler), from pickletools' list of opcodes so
+    that an opcode added to pickle later is read (and reported as unknown), not misread."""
+    table: list[Any] = [None] * 256
+    for op in pickletools.opcodes:
+        arg = op.arg.name if op.arg is not None else None
+        handler = _HANDLERS[op.name] if op.name in _HANDLERS else _unmodelled(op.name)
+        table[op.code.encode("latin-1")[0]] = (_READERS[arg], handler)
+    return table
+
+
+_OPS = _opcode_table()
+
+
+# -- unpickling, restricted -----------------------------------------------------------------------
+class _ReadOnly:
+    """Instances cannot be changed after construction (by unpickling's BUILD, say)."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} objects cannot be changed")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} objects cannot be changed")
+
+
+class _Allowed(_ReadOnly):
+    """A function the restricted unpickler gives for an allowed global."""
+
+    __slots__ = ("_func", "_name")
+
+    def __init__(self, func: Any, name: str) -> None:
+        object.__setattr__(self, "_func", func)
+        object.__setattr__(self, "_name", name)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._func(*args)
+
+    def __repr__(self) -> str:
+        return f"<fastcast's restricted {self._name}>"
+
+
+class _StorageType(_ReadOnly):
+    """A ``torch.*Storage`` class named in a persistent id: only its dtype is used."""
+
+    __slots__ = ("name", "dtype")
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "dtype", dtype)
+
+
+class _Storage(_ReadOnly):
+    """Bytes read for a tensor, and their element type."""
+
+    __slots__ = ("untyped", "dtype")
+
+    def __init__(self, untyped: torch.UntypedStorage, dtype: torch.dtype) -> None:
+        object.__setattr__(self, "untyped", untyped)
+        object.__setattr__(self, "dtype", dtype)
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _rebuild_tensor(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any = False,
+    backward_hooks: Any = None,
+    metadata: Any = None,
+) -> torch.Tensor:
+    """``torch._utils._rebuild_tensor(_v2)``, checking what it is given: a view that fits
+    inside its storage (``set_`` would otherwise grow the storage), no hooks, no metadata."""
+    if not isinstance(storage, _Storage):
+        raise pickle.UnpicklingError("a tensor whose data is not a storage")
+    if not (
+        _is_int(storage_offset)
+        and isinstance(size, tuple)
+        and isinstance(stride, tuple)
+        and len(size) == len(stride)
+        and all(_is_int(n) and n >= 0 for n in size)
+        and all(_is_int(n) and n >= 0 for n in stride)
+        and storage_offset >= 0
+        and type(requires_grad) is bool
+    ):
+        raise pickle.UnpicklingError("a tensor with a malformed size, stride or offset")
+    if not (backward_hooks is None or (isinstance(backward_hooks, dict) and not backward_hooks)):
+        raise pickle.UnpicklingError("a tensor with backward hooks")
+    if not (metadata is None or (type(metadata) is dict and not metadata)):
+        raise pickle.UnpicklingError("a tensor with metadata")
+    itemsize = storage.dtype.itemsize
+    last = storage_offset + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else -1
+    if (last + 1) * itemsize > storage.untyped.nbytes():
+        raise pickle.UnpicklingError("a tensor reaching past the end of its storage")
+    tensor = torch.empty((0,), dtype=storage.dtype)
+    tensor.set_(storage.untyped, storage_offset, size, stride)
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
+
+
+def _load_nested_storage(data: Any) -> _Storage:
+    """``torch.storage._load_from_bytes``, with ``weights_only=True`` (the original runs
+    ``torch.load(weights_only=False)`` on whatever bytes it is given)."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise pickle.UnpicklingError("torch.storage._load_from_bytes is given no bytes")
+    loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    if isinstance(loaded, torch.storage.TypedStorage):
+        return _Storage(loaded._untyped_storage, loaded.dtype)
+    if isinstance(loaded, torch.UntypedStorage):
+        return _Storage(loaded, torch.uint8)
+    raise pickle.UnpicklingError(
+        f"torch.storage._load_from_bytes gives a {type(loaded).__name__}, not a storage"
+    )
+
+
+def _latin1(text: Any, encoding: Any) -> bytes:
+    """``_codecs.encode`` for what protocols 0 to 2 pickle bytes as: latin-1 text."""
+    if type(text) is not str or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError("_codecs.encode other than of text to latin-1")
+    return text.encode("latin-1")
+
+
+_STORAGE_DTYPES = {
+    "DoubleStorage": torch.float64,
+    "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64,
+    "ComplexDoubleStorage": torch.complex128,
+    "UntypedStorage": torch.uint8,
+}
+
+
+def _allow_list() -> dict[tuple[str, str], Any]:
+    allowed: dict[tuple[str, str], Any] = {
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("builtins", "set"): set,
+        ("builtins", "frozenset"): frozenset,
+        ("_codecs", "encode"): _Allowed(_latin1, "_codecs.encode"),
+        ("torch._utils", "_rebuild_tensor"): _Allowed(_rebuild_tensor, "_rebuild_tensor"),
+        ("torch._utils", "_rebuild_tensor_v2"): _Allowed(_rebuild_tensor, "_rebuild_tensor_v2"),
+        ("torch.storage", "_load_from_bytes"): _Allowed(_load_nested_storage, "_load_from_bytes"),
+    }
+    for name, dtype in _STORAGE_DTYPES.items():
+        allowed["torch", name] = allowed["torch.cuda", name] = _StorageType(name, dtype)
+    for name, value in vars(torch).items():
+        if isinstance(value, torch.dtype):
+            allowed["torch", name] = value
+    for name, cls in TE_STAND_INS.items():
+        allowed[TE_RECIPE_MODULE, name] = cls
+    return allowed
+
+
+_ALLOWED = _allow_list()
+
+
+def _allowed(module: str, name: str) -> Any:
+    """What the restricted unpickler gives for a global, or None if it refuses it. Python 2
+    spellings are mapped as pickle maps them (whatever the protocol: both spellings give
+    only something allowed)."""
+    found = _ALLOWED.get((module, name))
+    if found is None:
+        found = _ALLOWED.get(_old_name(module, name))
+    return found
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles plain data, tensors and TransformerEngine's recipe objects; refuses any
+    other global by name, before importing it."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _allowed(module, name)
+        if found is None:
+            raise pickle.UnpicklingError(
+                f"{_clip(f'{module}.{name}')} is not allowed: fastcast unpickles only plain "
+                "containers, tensors and TransformerEngine's recipe classes"
+            )
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("a persistent id outside a torch.save archive")
+
+
+class _ArchiveUnpickler(_RestrictedUnpickler):
+    """Unpickles a torch.save archive's ``data.pkl``, reading its storages from the archive."""
+
+    def __init__(self, file: Any, archive: zipfile.ZipFile, prefix: str) -> None:
+        super().__init__(file)
+        self._archive = archive
+        self._prefix = prefix
+        self._storages: dict[str, _Storage] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (
+            type(pid) is tuple
+            and len(pid) == 5
+            and pid[0] == "storage"
+            and isinstance(pid[1], _StorageType)
+            and type(pid[2]) is str
+            and _is_int(pid[4])
+            and pid[4] >= 0
+        ):
+            raise pickle.UnpicklingError("a persistent id other than a torch.save storage")
+        _, storage_type, key, _location, numel = pid
+        storage = self._storages.get(key)
+        if storage is None:
+            name = f"{self._prefix}/data/{key}"
+            try:
+                info = self._archive.getinfo(name)
+            except KeyError:
+                raise pickle.UnpicklingError(f"the archive has no {_clip(name)!r}") from None
+            size = numel * storage_type.dtype.itemsize
+            if info.file_size != size:
+                raise pickle.UnpicklingError(
+                    f"{_clip(name)!r} holds {info.file_size} bytes, not {size}"
+                )
+            if size:
+                raw = self._archive.read(info)
+                untyped = torch.UntypedStorage.from_buffer(raw, dtype=torch.uint8)
+            else:
+                untyped = torch.UntypedStorage(0)
+            storage = self._storages[key] = _Storage(untyped, storage_type.dtype)
+        elif storage.dtype != storage_type.dtype:
+            raise pickle.UnpicklingError(f"storage {_clip(key)!r} read with two dtypes")
+        return storage
+
+
+def _load_archive(data: bytes) -> Any:
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        first = archive.infolist()[0].filename if archive.infolist() else ""
+        prefix = first.partition("/")[0]
+        if not prefix or "/" not in first:
+            raise pickle.UnpicklingError("not a torch.save archive (no top-level folder)")
+        names = set(archive.namelist())
+        if f"{prefix}/byteorder" in names:
+            order = archive.read(f"{prefix}/byteorder").decode("ascii", "replace")
+            if order != sys.byteorder:
+                raise pickle.UnpicklingError(f"an archive written {order}-endian")
+        pickled = archive.read(f"{prefix}/data.pkl")
+        return _ArchiveUnpickler(io.BytesIO(pickled), archive, prefix).load()
+
+
+def unpickle(data: bytes, owner: str) -> Any:
+    """Load a payload (a torch.save archive, tensors on the CPU, or a bare pickle) with the
+    restricted unpickler, after describing it: anything it would import that the
+    unpickler refuses, anything unknown, or a payload too large to describe is refused
+    before a byte of it is unpickled."""
+    report = inspect_pickle(data)
+    if not report.loadable:
+        raise ValueError(f"{owner}: refusing to unpickle the extra state ({report})")
+    try:
+        if data.startswith(ZIP_MAGIC):
+            return _load_archive(data)
+        return _RestrictedUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:
+        raise ValueError(f"{owner}: could not unpickle the extra state ({report}): {exc}") from exc

@@ -1,0 +1,197 @@
+"""Block-scaled FP8: one FP32 scale per 1x128 or 128x128 tile of the ``[R, K]`` matrix.
+
+Non-finite values stay non-finite (``BlockScalingQuantizer`` has the details): NaN is NaN,
++-inf is +-inf in E5M2 and NaN in E4M3; the tile holding one falls back to scale 1. Only
+finite values beyond the range saturate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..kernels import fused_op
+from ..profiling import annotate
+from ..recipe import ELEMENT_MAX
+from ..tensor import FP8_DTYPES, Float8Tensor
+from .base import as_matrix, check_fp8_format, check_input, scale_and_cast, scale_from_amax
+
+TILE = 128  # tile extent along K (and along R for 128x128 tiles)
+TILE_ROWS = {1: 1, 2: TILE}  # block_dim -> tile extent along R
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize_tiles(
+    m: torch.Tensor, tile_rows: int, fmt: str, power_2: bool, epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the matrix ``m`` ``[R, K]`` in tiles of ``tile_rows x 128``.
+
+    Returns the FP8 data ``[R, K]`` (contiguous) and the FP32 dequantization scales
+    ``[ceil(R/tile_rows), ceil(K/128)]``. A partial tile at the bottom or right edge is
+    scaled from its own elements alone.
+
+    The matrix is cut into at most four regions of whole tiles (the full tiles, the
+    partial column of tiles, the partial row, the corner), each quantized through a tile
+    view without padding, and the results joined. Zero-padding the edge tiles and slicing
+    the padding off again would be shorter, but torch 2.13's Inductor miscompiles that
+    pattern on the CPU (the edge tiles' codes come out wrong, silently), and this code
+    is also what ``torch.compile`` traces.
+
+    ``m`` may be any strided matrix. The fused operator reads a transposed view (the
+    column-wise layout's ``m.t()``) in place; the reference copies it first, so that
+    every pass over it reads memory in order.
+    """
+    op = fused_op("quantize_blocks", m)
+    if op is not None:  # amax, scale and cast of every tile in one operator
+        return op(m, tile_rows, FP8_DTYPES[fmt], power_2, epsilon)
+    return quantize_tiles_reference(m, tile_rows, fmt, power_2, epsilon)
+
+
+def quantize_tiles_reference(
+    m: torch.Tensor, tile_rows: int, fmt: str, power_2: bool, epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_tiles`` in PyTorch operations (the definition the fused operators match)."""
+    m = m.contiguous()
+    rows, cols = m.shape
+    if m.numel() == 0:
+        scales = (_ceil_div(rows, tile_rows), _ceil_div(cols, TILE))
+        return (
+            torch.empty((rows, cols), dtype=FP8_DTYPES[fmt], device=m.device),
+            torch.empty(scales, dtype=torch.float32, device=m.device),
+        )
+    row_cuts = _cuts(rows, tile_rows)
+    col_cuts = _cuts(cols, TILE)
+    data_rows, scale_rows = [], []
+    for r0, r1, tr in row_cuts:
+        parts = [
+            _quantize_region(m[r0:r1, c0:c1], tr, tk, fmt, power_2, epsilon)
+            for c0, c1, tk in col_cuts
+        ]
+        data_rows.append(_join([d for d, _ in parts], dim=1))
+        scale_rows.append(_join([s for _, s in parts], dim=1))
+    return _join(data_rows, dim=0).contiguous(), _join(scale_rows, dim=0).reciprocal()
+
+
+def _cuts(extent: int, tile: int) -> list[tuple[int, int, int]]:
+    """``(start, end, tile extent)`` of the full tiles along one dim, then of the partial
+    tile at the edge, leaving out empty ones."""
+    full = extent - extent % tile
+    cuts = [(0, full, tile), (full, extent, extent - full)]
+    return [cut for cut in cuts if cut[1] > cut[0]]
+
+
+def _join(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _quantize_region(
+    region: torch.Tensor, tr: int, tk: int, fmt: str, power_2: bool, epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 data and FP32 quantization scales of a region made of whole ``tr x tk`` tiles."""
+    rows, cols = region.shape
+    tiles = region.reshape(rows // tr, tr, cols // tk, tk)
+    # max |x| per tile in FP32 (NaN if the tile holds a NaN: scale_from_amax handles it).
+    amax = torch.linalg.vector_norm(tiles, ord=math.inf, dim=(1, 3), dtype=torch.float32)
+    scale = scale_from_amax(amax, ELEMENT_MAX[fmt], power_2=power_2, epsilon=epsilon)
+    data = scale_and_cast(tiles, scale[:, None, :, None], fmt)
+    return data.reshape(rows, cols), scale
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScalingQuantizer:
+    """FP8 with one FP32 scale per tile. A value object: equal fields, equal quantizers.
+
+    ``block_dim`` 1 scales 1x128 tiles (activations, gradients), 2 scales 128x128 tiles
+    (weights). The tensor is viewed as a matrix ``[R, K]`` (leading dims flattened); each
+    tile's scale is ``fmt_max / amax(tile)``, rounded down to a power of two when
+    ``power_2_scales``, with the amax floored at ``amax_epsilon``; a tile whose amax is 0
+    (without epsilon), NaN or infinite gets scale 1 (``scale_from_amax``). Shapes need not
+    be multiples of 128: a partial tile at the right or bottom edge is scaled from its own
+    elements alone.
+
+    Non-finite values stay non-finite in the data (``scale_and_cast``): +-inf is +-inf in
+    E5M2 and NaN in E4M3 (which has no infinity), NaN is NaN, so each dequantizes to a
+    non-finite value. Only finite values beyond the range saturate to +-max. A tile
+    holding an inf or NaN has scale 1 (the other elements of that tile are scaled by 1);
+    every other tile is quantized as if the non-finite value were not there.
+
+    Layouts:
+
+    - row-wise: ``data`` shaped like the input, ``scale_inv`` ``[R, ceil(K/128)]`` (1x128)
+      or ``[ceil(R/128), ceil(K/128)]`` (128x128);
+    - column-wise: ``data_t`` ``[K, R]``. With 1x128 tiles it is the transposed matrix
+      quantized along the other axis (tiles of 128 consecutive rows for each column,
+      ``scale_inv_t`` ``[K, ceil(R/128)]``), not a transposition of the row-wise tiles;
+      with 128x128 tiles the tiles are the same, so it is exactly the transposed row-wise
+      data and scales.
+    """
+
+    fmt: str = "e4m3"
+    block_dim: int = 1
+    power_2_scales: bool = True
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        check_fp8_format(name, self.fmt)
+        if isinstance(self.block_dim, bool) or self.block_dim not in TILE_ROWS:
+            raise ValueError(
+                f"{name}: block_dim must be 1 (1x128 tiles) or 2 (128x128 tiles), "
+                f"got {self.block_dim!r}"
+            )
+        if not isinstance(self.power_2_scales, bool):
+            raise ValueError(
+                f"{name}: power_2_scales must be a bool, got {type(self.power_2_scales).__name__}"
+            )
+        eps = self.amax_epsilon
+        if (
+            isinstance(eps, bool)
+            or not isinstance(eps, (int, float))
+            or not math.isfinite(eps)
+            or eps < 0
+        ):
+            raise ValueError(
+                f"{name}: amax_epsilon must be a finite number >= 0, got {self.amax_epsilon!r}"
+            )
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """The tile shape ``(rows, cols)`` of the row-wise layout."""
+        return (TILE_ROWS[self.block_dim], TILE)
+
+    @annotate("fastcast.quantize.block")
+    def quantize(
+        self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
+    ) -> Float8Tensor:
+        check_input(x)
+        if not (rowwise or columnwise):
+            raise ValueError(f"{type(self).__name__}: ask for rowwise and/or columnwise data")
+        m = as_matrix(x)
+        tile_rows = TILE_ROWS[self.block_dim]
+        args = (self.fmt, self.power_2_scales, self.amax_epsilon)
+        data = scale_inv = data_t = scale_inv_t = None
+        if rowwise or tile_rows == TILE:
+            data, scale_inv = quantize_tiles(m, tile_rows, *args)
+        if columnwise:
+            if tile_rows == TILE:
+                # Square tiles transpose onto themselves.
+                data_t, scale_inv_t = data.t().contiguous(), scale_inv.t().contiguous()
+            else:
+                # Tiles run along R: quantize the transposed matrix.
+                data_t, scale_inv_t = quantize_tiles(m.t(), tile_rows, *args)
+        return Float8Tensor(
+            fmt=self.fmt,
+            shape=x.shape,
+            dtype=x.dtype,
+            data=data.reshape(x.shape) if rowwise else None,
+            scale_inv=scale_inv if rowwise else None,
+            block=self.block,
+            data_t=data_t,
+            scale_inv_t=scale_inv_t,
+            block_t=self.block,
+        )

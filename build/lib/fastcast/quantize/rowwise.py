@@ -1,0 +1,138 @@
+"""Row-wise FP8: one FP32 scale per row of the ``[R, K]`` matrix, from that row's amax.
+
+Each layout is scaled along the dim a GEMM contracts over its rows: the row-wise layout
+per row of ``x`` (along K), the column-wise layout per row of ``x.T`` (along R), from
+``x.T``'s own amaxes (a per-column amax of ``x``), not from the row-wise scales.
+
+Non-finite values stay non-finite (``scale_and_cast``): NaN is NaN, +-inf is +-inf in E5M2
+and NaN in E4M3. A row holding one gets scale 1 (its other elements are scaled by 1), as
+does a row of zeros; every other row is quantized as if that row were not there. Only
+finite values beyond the range saturate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..kernels import fused_op
+from ..profiling import annotate
+from ..recipe import ELEMENT_MAX
+from ..tensor import FP8_DTYPES, Float8Tensor
+from .base import (
+    as_matrix,
+    check_fp8_format,
+    check_input,
+    scale_and_cast,
+    scale_from_amax,
+    tensor_amax,
+    transposed_codes,
+)
+
+PER_ROW = (1, 0)  # the block of one scale per row (``tensor.QuantizedTensor``)
+
+
+def row_amax(m: torch.Tensor, dim: int) -> torch.Tensor:
+    """max |m| along ``dim`` of the matrix ``m``, FP32, keeping the dim (NaN if a NaN is
+    there; 0 for an empty row)."""
+    if m.shape[dim] == 0:  # the max of nothing is an error in torch
+        shape = [1, 1]
+        shape[1 - dim] = m.shape[1 - dim]
+        return torch.zeros(shape, dtype=torch.float32, device=m.device)
+    # max(max, -min): two reductions that propagate NaN, and no |m| temporary (on the
+    # CPU, torch 2.13, a fresh [R, K] buffer costs more than the passes; vector_norm
+    # with ord=inf along a dim is 20x slower still).
+    top = m.amax(dim=dim, keepdim=True).float()
+    return torch.maximum(top, m.amin(dim=dim, keepdim=True).float().neg_())
+
+
+def quantize_rows(
+    m: torch.Tensor, fmt: str, power_2: bool, columns: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The matrix ``m`` ``[R, K]`` quantized with one scale per row (``scale_inv``
+    ``[R, 1]``) or, with ``columns``, per column (``[1, K]``), codes in ``m``'s layout: the
+    fused operator where there is one (on the CPU each row's amax and cast while it is in
+    cache), else the reference; the same values."""
+    op = fused_op("quantize_rows", m)
+    if op is not None:
+        return op(m, FP8_DTYPES[fmt], power_2, columns)
+    return quantize_rows_reference(m, fmt, power_2, columns)
+
+
+def quantize_rows_reference(
+    m: torch.Tensor, fmt: str, power_2: bool, columns: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The matrix ``m`` ``[R, K]`` quantized with one scale per row (``scale_inv``
+    ``[R, 1]``) or, with ``columns``, per column (``[1, K]``), codes in ``m``'s layout:
+    ``quantize_rows`` in PyTorch operations (the definition the fused operators match)."""
+    amax = row_amax(m, 0 if columns else 1)
+    scale = scale_from_amax(amax, ELEMENT_MAX[fmt], power_2=power_2)
+    return scale_and_cast(m, scale, fmt), scale.reciprocal()
+
+
+@dataclasses.dataclass(frozen=True)
+class RowwiseQuantizer:
+    """FP8 with one FP32 scale per row of each layout. A value object.
+
+    The tensor is viewed as ``[R, K]`` (leading dims flattened). Row-wise layout: ``data``
+    shaped like the input, ``scale_inv`` ``[R, 1]``, row r scaled by
+    ``fmt_max / amax(x[r, :])``. Column-wise layout: ``data_t`` ``[K, R]``,
+    ``scale_inv_t`` ``[K, 1]``, row k of ``x.T`` scaled by ``fmt_max / amax(x[:, k])``.
+    A scale is rounded down to a power of two with ``power_2_scales``; amax 0, NaN or
+    inf gives scale 1 (``scale_from_amax``).
+
+    ``columnwise_per_tensor``: the column-wise layout takes one scale for the whole tensor
+    (``fmt_max / amax(x)``), stored per row (``[K, 1]``, all equal) so that its GEMMs stay
+    row-wise ones: how ``rowwise_with_gw_hp`` scales the weight for dgrad.
+    """
+
+    fmt: str = "e4m3"
+    power_2_scales: bool = True
+    columnwise_per_tensor: bool = False
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        check_fp8_format(name, self.fmt)
+        for field in ("power_2_scales", "columnwise_per_tensor"):
+            value = getattr(self, field)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}: {field} must be a bool, got {value!r}")
+
+    def _scale(self, amax: torch.Tensor) -> torch.Tensor:
+        return scale_from_amax(amax, ELEMENT_MAX[self.fmt], power_2=self.power_2_scales)
+
+    @annotate("fastcast.quantize.rowwise")
+    def quantize(
+        self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
+    ) -> Float8Tensor:
+        check_input(x)
+        if not (rowwise or columnwise):
+            raise ValueError(f"{type(self).__name__}: ask for rowwise and/or columnwise data")
+        m = as_matrix(x)
+        data = scale_inv = data_t = scale_inv_t = None
+        fmt, power_2 = self.fmt, self.power_2_scales
+        if rowwise:
+            data, scale_inv = quantize_rows(m, fmt, power_2, columns=False)
+            data = data.reshape(x.shape)
+        if columnwise:
+            # Cast in m's layout (rows of x.T are m's columns: elementwise, the same
+            # codes), then transpose the FP8 bytes rather than copy m transposed.
+            if self.columnwise_per_tensor:
+                scale_t = self._scale(tensor_amax(m)).expand(1, m.shape[1])
+                codes, scale_inv_t = scale_and_cast(m, scale_t, fmt), scale_t.reciprocal()
+            else:
+                codes, scale_inv_t = quantize_rows(m, fmt, power_2, columns=True)
+            data_t = transposed_codes(codes)
+            scale_inv_t = scale_inv_t.reshape(-1, 1).contiguous()
+        return Float8Tensor(
+            fmt=self.fmt,
+            shape=x.shape,
+            dtype=x.dtype,
+            data=data,
+            scale_inv=scale_inv,
+            block=PER_ROW,
+            data_t=data_t,
+            scale_inv_t=scale_inv_t,
+            block_t=PER_ROW,
+        )

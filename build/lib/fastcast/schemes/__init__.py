@@ -1,0 +1,53 @@
+"""Schemes: what each recipe type means (see ``base.Scheme``). Importing this package
+registers the built-in ones."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..hardware import cuda_capability, has_kernel, on_refresh
+from ..quantize.base import ROLES
+from ..recipe import DelayedScaling, MXFP8BlockScaling, Recipe
+from ..tensor import MXFP8, QuantizedTensor
+from . import block, current, custom, delayed, mx, nvfp4, per_row  # noqa: F401 - register
+from .base import DEFAULT_ALIGNMENT, Plan, Scheme, recipe_support, register_scheme, scheme_for
+
+__all__ = [
+    "DEFAULT_ALIGNMENT",
+    "Plan",
+    "Scheme",
+    "default_recipe",
+    "quantize",
+    "recipe_support",
+    "register_scheme",
+    "scheme_for",
+]
+
+
+@functools.cache
+def default_recipe() -> Recipe:
+    """The best recipe this machine runs natively, built once per process."""
+    cap = cuda_capability()
+    if cap is not None and cap >= (10, 0) and has_kernel("cuda", MXFP8):
+        return MXFP8BlockScaling()
+    return DelayedScaling()
+
+
+on_refresh(default_recipe.cache_clear)
+
+
+def quantize(
+    tensor: torch.Tensor,
+    recipe: Recipe,
+    role: str = "input",
+    *,
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> QuantizedTensor:
+    """Quantize ``tensor`` as ``recipe`` does for ``role``; ``.dequantize()`` undoes it."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    quantizer = scheme_for(recipe).quantizer(recipe, role)
+    return quantizer.quantize(tensor, rowwise=rowwise, columnwise=columnwise)

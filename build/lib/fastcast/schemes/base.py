@@ -1,0 +1,192 @@
+"""What a recipe means: the scheme protocol, the plan a module runs, the registry.
+
+A scheme is the one place that knows, for one recipe type, its GEMM family, the
+alignment its layers need, how to build quantizers for a (recipe, group) pair, and, for
+stateful recipes, the lifecycle hooks (per call, per backward, on autocast exit).
+Schemes register by recipe type; adding a recipe is a recipe class, a scheme and a
+quantizer module, with nothing else edited.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from ..hardware import default_device_type, gemm_backend
+from ..quantize.base import ROLES, Quantizer
+from ..recipe import Recipe
+from ..state import AutocastFrame
+
+# The FP8 tensor-core kernels need both GEMM dims of a weight to be multiples of 16.
+DEFAULT_ALIGNMENT = 16
+
+
+class Plan:
+    """What a module runs under one (recipe, group): the quantizers of its three roles.
+
+    Built by the scheme the first time a module meets the pair, reused while the pair
+    stays (two identity tests per call). Stateless schemes use this class as it is; it is
+    then also the per-call object handed to the autograd Function (``call`` returns it),
+    whose hooks do nothing. Stateful schemes subclass it.
+    """
+
+    __slots__ = (
+        "recipe",
+        "group",
+        "input_q",
+        "weight_q",
+        "grad_q",
+        "row_alignment",
+        "wgrad_high_precision",
+    )
+
+    # Per-call attributes a stateful call may set; a stateless plan never replays.
+    replayed_weight: ClassVar[None] = None
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        group: Any,
+        quantizers: tuple[Quantizer, Quantizer, Quantizer],
+        row_alignment: int = 1,
+        wgrad_high_precision: bool = False,
+    ) -> None:
+        self.recipe = recipe
+        self.group = group
+        self.input_q, self.weight_q, self.grad_q = quantizers
+        # Scheme.row_alignment: what the module pads the input's token count to.
+        self.row_alignment = row_alignment
+        # Scheme.wgrad_high_precision: the wgrad GEMM takes the unquantized gradient and
+        # input (the input quantizer then makes no column-wise layout).
+        self.wgrad_high_precision = wgrad_high_precision
+
+    def matches(self, frame: AutocastFrame) -> bool:
+        """Whether this plan is still the one for ``frame`` (in this thread)."""
+        return frame.recipe is self.recipe and frame.group is self.group
+
+    def call(self, autograd: bool, replay: Any = None, record: Any = None) -> Any:
+        """The per-call object: quantizers plus hooks. Stateless: the plan itself.
+
+        Under activation checkpointing ``record`` is the log entry ``[frame, data]`` of an
+        original call, whose ``data`` a stateful scheme fills with what a recomputation
+        must reuse, and ``replay`` such an entry for the recomputation of that call.
+        Stateless quantization depends only on its input, so it replays by itself.
+        """
+        return self
+
+    # -- per-call hooks (no-ops when stateless) --------------------------------------------
+    def remember_weight(self, w_q: Any) -> Any:
+        """Called with the quantized weight a forward used; returns it."""
+        return w_q
+
+    def forward_done(self) -> None:
+        """Called after the forward GEMM."""
+
+    def backward_done(self) -> None:
+        """Called at the end of the module's backward."""
+
+    def calibrate(self, x: torch.Tensor, weight: torch.Tensor) -> None:
+        """A high-precision forward under ``calibrating=True``: record what state needs."""
+
+
+class Scheme:
+    """The meaning of one recipe type. Subclasses set ``family`` and ``quantizer``;
+    stateful ones override ``plan`` too."""
+
+    # The GEMM family (``tensor.FAMILIES``); None: the quantizers decide, GEMM by GEMM.
+    family: ClassVar[str | None] = None
+
+    def alignment(self, recipe: Recipe) -> int:
+        """What a layer's in and out features must be multiples of to be converted."""
+        return DEFAULT_ALIGNMENT
+
+    def row_alignment(self, recipe: Recipe) -> int:
+        """What the row count of a layer's ``[R, K]`` input (the product of its leading
+        dims, the tokens) must be a multiple of for the backward GEMMs' column-wise
+        layouts; ``fc.Linear`` pads the input with zero rows up to it. 1: any count."""
+        return 1
+
+    def wgrad_high_precision(self, recipe: Recipe) -> bool:
+        """Whether the weight-gradient GEMM runs in the forward's high precision, on the
+        unquantized output gradient and input (which backward then keeps), rather than on
+        their column-wise quantized layouts."""
+        return False
+
+    def quantizer(self, recipe: Recipe, role: str, group: Any = None) -> Quantizer:
+        """The quantizer for ``role`` (input, weight or grad_output); ``group`` reduces
+        activation and gradient amaxes over ranks where the scheme needs it."""
+        raise NotImplementedError
+
+    def quantizers(self, recipe: Recipe, group: Any = None) -> tuple[Quantizer, ...]:
+        """``(input, weight, grad_output)`` quantizers."""
+        return tuple(self.quantizer(recipe, role, group) for role in ROLES)
+
+    def prepare(self, recipe: Recipe, module_state: dict[Any, Any], device: torch.device) -> None:
+        """Create the per-module state ``recipe`` keeps (none when stateless), before the
+        module first runs: a freshly built model then has the state-dict layout a trained
+        one saves, which loaders that fill tensors in place (DCP) need."""
+
+    def plan(
+        self, frame: AutocastFrame, module_state: dict[Any, Any], device: torch.device
+    ) -> Plan:
+        """A module's plan for ``frame``; stateful schemes keep per-module state in
+        ``module_state`` (the module's; the checkpoint format saves ``ScalingMeta``s per
+        direction, and refuses to save anything else rather than drop it)."""
+        recipe = frame.recipe
+        quantizers = self.quantizers(recipe, frame.group)
+        return Plan(
+            recipe,
+            frame.group,
+            quantizers,
+            self.row_alignment(recipe),
+            self.wgrad_high_precision(recipe),
+        )
+
+    def support(self, device_type: str) -> tuple[bool, str]:
+        """Whether recipes of this scheme can run on ``device_type``, and how (or why not)."""
+        if self.family is None:
+            return True, "its quantizers decide"
+        backend, reason = gemm_backend(device_type, self.family)
+        return backend is not None, reason
+
+
+_SCHEMES: dict[type, Scheme] = {}
+
+
+def register_scheme(recipe_type: type[Recipe]) -> Any:
+    """Class decorator: the decorated Scheme gives recipes of ``recipe_type`` meaning."""
+
+    def register(cls: type[Scheme]) -> type[Scheme]:
+        if not (isinstance(recipe_type, type) and issubclass(recipe_type, Recipe)):
+            raise TypeError(f"register_scheme needs a Recipe subclass, got {recipe_type!r}")
+        if recipe_type in _SCHEMES and type(_SCHEMES[recipe_type]) is not cls:
+            raise ValueError(
+                f"{recipe_type.__name__} already has the scheme "
+                f"{type(_SCHEMES[recipe_type]).__name__}"
+            )
+        _SCHEMES[recipe_type] = cls()
+        return cls
+
+    return register
+
+
+def scheme_for(recipe: object) -> Scheme:
+    """The scheme of ``recipe``'s type; TypeError for anything that is not a recipe."""
+    scheme = _SCHEMES.get(type(recipe))
+    if scheme is not None:
+        return scheme
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a fastcast recipe, got {type(recipe).__name__}")
+    for base in type(recipe).__mro__[1:]:  # a subclass of a registered recipe
+        if base in _SCHEMES:
+            return _SCHEMES[base]
+    raise TypeError(
+        f"no scheme is registered for {type(recipe).__name__}; "
+        "decorate one with fastcast.schemes.register_scheme"
+    )
+
+
+def recipe_support(recipe: Recipe, device_type: str | None = None) -> tuple[bool, str]:
+    """Whether ``recipe`` can run on this machine (or ``device_type``), and how (or why not)."""
+    return scheme_for(recipe).support(device_type or default_device_type())

@@ -1,0 +1,241 @@
+"""The state manager: autocast frames per context, stateful schemes' state per thread.
+
+Autocast state follows Python's ``contextvars``, as ``decimal`` contexts do: the stack of
+active frames is an immutable linked list ``(frame, below)`` held in a context variable.
+So each thread, and each asyncio task, has its own stack; ``asyncio.to_thread`` and
+``contextvars.copy_context().run`` see the stack of the code that called them, and what
+they enter never leaks back. Generators share their caller's context: one that holds an
+autocast across a ``yield`` lends it to whatever runs until it resumes (as with
+``torch.autocast``), and exits out of order are detected and refused.
+
+What stateful schemes keep (delayed scaling's slabs) is per thread. Whatever backward
+needs is captured by the module at forward time, because autograd may run backward on
+another thread.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import threading
+import weakref
+from typing import Any, Protocol
+
+from .recipe import Recipe
+
+
+class AutocastFrame:
+    """One level of autocast: what modules read on the hot path.
+
+    ``autocast`` subclasses this; ``OUTSIDE`` is the frame below every autocast.
+    """
+
+    __slots__ = ("enabled", "recipe", "calibrating", "group", "_key")
+
+    def __init__(
+        self,
+        enabled: bool,
+        recipe: Recipe | None,
+        calibrating: bool = False,
+        group: Any = None,
+    ) -> None:
+        self.enabled = enabled
+        self.recipe = recipe
+        self.calibrating = calibrating
+        self.group = group
+
+    @property
+    def active(self) -> bool:
+        """Whether modules in this frame quantize or record amaxes."""
+        return self.enabled or self.calibrating
+
+    def opens_step(self, below: Stack | None = None) -> bool:
+        """Whether this frame is the outermost active (enabled or calibrating) level.
+
+        ``below``: the stack under it (found in the current context when not given). In
+        enabled -> disabled -> enabled only the first level opens the step.
+        """
+        if not self.active:
+            return False
+        if below is None:
+            node = _stack.get()
+            while node is not None and node[0] is not self:
+                node = node[1]
+            below = node[1] if node is not None else None
+        return not any(f.active for f in frames(below))
+
+    def key(self) -> tuple:
+        """This frame's autocast key: ``(recipe, group id)``; computed once per frame."""
+        try:
+            return self._key
+        except AttributeError:  # first call: the slot is left unset to keep __init__ short
+            key = self._key = autocast_key(self.recipe, self.group)
+            return key
+
+
+OUTSIDE = AutocastFrame(enabled=False, recipe=None)
+
+# A stack of frames: ``(innermost frame, the stack below it)``; ``None`` below the bottom.
+Stack = tuple  # tuple[AutocastFrame, "Stack | None"]
+BOTTOM: Stack = (OUTSIDE, None)
+
+_stack: contextvars.ContextVar[Stack] = contextvars.ContextVar("fastcast_autocast", default=BOTTOM)
+get_stack = _stack.get
+set_stack = _stack.set
+
+
+def current_frame() -> AutocastFrame:
+    """The innermost autocast frame of this context (``OUTSIDE`` when none)."""
+    return _stack.get()[0]
+
+
+def is_autocast_enabled() -> bool:
+    """Whether FP8 autocast is enabled in the current thread (task, context)."""
+    return _stack.get()[0].enabled
+
+
+def get_autocast_recipe() -> Recipe | None:
+    """The recipe of the innermost autocast; None outside any autocast."""
+    return _stack.get()[0].recipe
+
+
+# Depth of ``fc.allow_unsafe_extra_state`` blocks around the current context: above 0, a
+# foreign pickled extra state may be unpickled (checkpoint.py). Per context, like autocast.
+unsafe_extra_state: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "fastcast_unsafe_extra_state", default=0
+)
+
+
+def frames(stack: Stack | None) -> Any:
+    """The frames of ``stack``, innermost first (``OUTSIDE`` last)."""
+    while stack is not None:
+        yield stack[0]
+        stack = stack[1]
+
+
+class SchemeThreadState(Protocol):
+    """What a stateful scheme keeps per thread: told when an autocast level exits."""
+
+    def frame_exited(self, frame: AutocastFrame, below: Stack, ok: bool) -> None: ...
+
+
+class ThreadState:
+    """What stateful schemes keep for one thread (delayed scaling: its slabs)."""
+
+    __slots__ = ("schemes", "thread", "__weakref__")
+
+    def __init__(self) -> None:
+        # One entry per stateful scheme that ran in this thread; autocast's exit notifies
+        # each. Empty for stateless recipes, so their exit pays one truth test.
+        self.schemes: dict[type, SchemeThreadState] = {}
+        self.thread = threading.current_thread()
+
+
+_threads = threading.local()
+# How many thread states hold a stateful scheme's state: while none does (stateless
+# recipes only), autocast's exit skips the per-thread look-up altogether.
+stateful_threads = 0
+
+
+def note_stateful_thread() -> None:
+    """Called once per thread state when a stateful scheme first keeps state in it."""
+    global stateful_threads
+    stateful_threads += 1
+
+
+def thread_state() -> ThreadState:
+    """This thread's state object, created on first use."""
+    try:
+        return _threads.state
+    except AttributeError:
+        ts = _threads.state = ThreadState()
+        return ts
+
+
+class _GroupIds:
+    """Process-wide serial numbers for process groups, never reused.
+
+    ``id()`` of a freed group can be handed to a new one; a serial cannot. Groups are held
+    weakly where they allow it, strongly otherwise (then they are never freed, so the
+    serial still cannot be reused).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # id(group) -> (weak or strong reference, serial). Keyed by identity: two groups
+        # that happen to compare equal are still two groups.
+        self._by_id: dict[int, tuple[Any, int]] = {}
+        self._counter = itertools.count(1)
+
+    def serial(self, group: Any) -> int:
+        with self._lock:
+            entry = self._by_id.get(id(group))
+            if entry is not None and _deref(entry[0]) is group:
+                return entry[1]
+            serial = next(self._counter)
+            try:
+                ref: Any = weakref.ref(group, self._forget)
+            except TypeError:  # not weak-referenceable: keep it alive instead
+                ref = _Strong(group)
+            self._by_id[id(group)] = (ref, serial)
+            return serial
+
+    def _forget(self, ref: weakref.ref) -> None:
+        with self._lock:
+            for key, (held, _) in list(self._by_id.items()):
+                if held is ref:
+                    del self._by_id[key]
+
+
+class _Strong:
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __call__(self) -> Any:
+        return self.obj
+
+
+def _deref(ref: Any) -> Any:
+    return ref()
+
+
+_group_ids = _GroupIds()
+
+
+def autocast_key(recipe: Recipe | None, group: Any = None) -> tuple:
+    """An unambiguous key for a (recipe, amax reduction group) pair.
+
+    Recipes compare by value, so equal recipes share a key whatever object they are;
+    the group enters by a serial number that is never reused. No repr is involved.
+    """
+    return (recipe, 0 if group is None else _group_ids.serial(group))
+
+
+class _OptimizerSteps:
+    """Process-wide count of optimizer steps, for weight caches to key on.
+
+    A fused optimizer updates weights without moving their version counters; a cache
+    keyed on this count as well dies with any step. The global step hook is installed
+    the first time a cache asks for it, not at import.
+    """
+
+    __slots__ = ("count", "_handle")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._handle: Any = None
+
+    def __call__(self, install: bool = False) -> int:
+        if install and self._handle is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: PLC0415
+
+            self._handle = register_optimizer_step_post_hook(self._bump)
+        return self.count
+
+    def _bump(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.count += 1
+
+
+optimizer_steps = _OptimizerSteps()
