@@ -92,7 +92,6 @@ PYTEST_OPTIONS = [
 ]
 
 
-
 def report(path: Path) -> int:
     data, entries = load(path)
     if not entries:
