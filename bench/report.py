@@ -22,6 +22,10 @@ OVERHEAD = ROOT / "profiles" / "out" / "overhead_current.json"  # bench/overhead
 # bench/train_step.py --json: eager and compiled training steps (README's tables).
 TRAIN_STEP = RESULTS / "train_step.json"
 TRAIN_COMPILE = RESULTS / "train_step_compile.json"
+# bench.train_step --compile: a compiled FP8/FP4 step at most this fraction of its eager
+# step; the recipes it does not apply to (high precision, the peer).
+COMPILE_TARGET = 0.6
+HIGH_PRECISION = ("fp32", "bf16", "torchao")
 
 
 # --------------------------------------------------------------------------- formatting

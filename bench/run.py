@@ -61,10 +61,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import history
+from bench import history, readme
 from bench.report import (
     BENCH_DIR,
     CHARTS,
+    COMPILE_TARGET,
+    HIGH_PRECISION,
     LATEST,
     OVERHEAD,
     RESULTS,
@@ -75,6 +77,7 @@ from bench.report import (
     TRAIN_STEP,
     build_report,
     load,
+    md_escape,
     stats_only,
 )
 
@@ -92,16 +95,56 @@ PYTEST_OPTIONS = [
 ]
 
 
-def report(path: Path) -> int:
+def report(path: Path, extras: dict[str, Path] | None = None) -> int:
+    """Print ``path``'s tables and write them to summary.md with, after the benchmark
+    groups, the overhead report and the training steps (eager, compiled): from
+    ``extras`` (their JSON files, this run's) or from the result itself (a sample)."""
     data, entries = load(path)
     if not entries:
         print(f"no benchmark results in {path}")
         return 0
     text, md, _ = build_report(data, entries)
     print("\n".join(text))
-    SUMMARY.write_text("\n".join(md) + "\n")
-    print(f"\nMarkdown summary: {SUMMARY.relative_to(ROOT)}")
+    found = dict(data.get("fastcast") or {})
+    for key, extra in (extras or {}).items():
+        if extra.exists():
+            found[key] = json.loads(extra.read_text())
+    sections = summary_sections(found)
+    SUMMARY.write_text("\n".join([*md, *sections]) + "\n")
+    titles = [line[3:] for line in sections if line.startswith("## ")]
+    shown = f" (with {', '.join(titles)})" if titles else ""
+    print(f"\nMarkdown summary: {SUMMARY.relative_to(ROOT)}{shown}")
     return 0
+
+
+def summary_sections(found: dict) -> list[str]:
+    """summary.md's sections after the benchmark groups: README's overhead, training-step
+    and compile tables (bench/readme.py renders both), with the compile target stated."""
+    lines: list[str] = []
+    if found.get("overhead"):
+        lines += ["## Overhead per range (bench.overhead_report)", ""]
+        lines += [*readme.overhead_table(found["overhead"]), ""]
+    if found.get("train_step"):
+        lines += ["## Training step, eager (bench.train_step)", ""]
+        lines += [*readme.train_step_table(found["train_step"]), ""]
+    compiled = found.get("train_step_compile")
+    if compiled:
+        lines += ["## Training step, compiled (bench.train_step --compile)", ""]
+        lines += [*readme.train_compile_table(compiled), ""]
+        verdicts = [
+            f"{md_escape(name)} {r['compiled_ms'] / r['eager_ms']:.2f}x "
+            + ("pass" if r["compiled_ms"] / r["eager_ms"] <= COMPILE_TARGET else "**miss**")
+            for name, r in compiled.get("results", {}).items()
+            if name not in HIGH_PRECISION
+        ]
+        if verdicts:
+            lines += [
+                f"Target: a compiled FP8/FP4 step <= {COMPILE_TARGET}x its eager step: "
+                + ", ".join(verdicts)
+                + ".",
+                "",
+            ]
+    return lines
 
 
 # --------------------------------------------------------------------------- main
@@ -173,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         if step_rc != 0:
             print(f"{shown} failed with exit status {step_rc}", file=sys.stderr)
             rc = rc or step_rc
+    if LATEST.exists() and full:  # the summary again, with this run's step results
+        print()
+        report(LATEST, {"overhead": OVERHEAD, "train_step": TRAIN_STEP,
+                        "train_step_compile": TRAIN_COMPILE})  # fmt: skip
     if LATEST.exists():
         _charts(["--results", str(LATEST), "--overhead", str(OVERHEAD), "--out", str(CHARTS)])
     if update_sample and rc == 0 and full:
