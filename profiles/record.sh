@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# CPU profile of the training-step benchmark with py-spy: a flamegraph (SVG) and a
-# speedscope JSON per recipe, in profiles/out/.
+# CPU profile of the training step in its steady state (bench/steady_state.py: warm-up
+# steps first, not sampled) with py-spy: a flamegraph (SVG) and a speedscope JSON per
+# recipe, in profiles/out/.
 # Usage: [PYTHON=python] bash profiles/record.sh [recipe ...]   (default: current)
 # PYTHON: the interpreter to profile (default: python3 on PATH; `make profile` passes the
 # project's .venv). py-spy is taken from beside it, else from PATH.
@@ -21,18 +22,46 @@ fi
 mkdir -p profiles/out
 recipes=("$@")
 [ ${#recipes[@]} -gt 0 ] || recipes=(current)
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+work=$(mktemp -d)
+target=""
+cleanup() {
+  [ -n "$target" ] && kill "$target" 2>/dev/null
+  rm -rf "$work"
+}
+trap cleanup EXIT
+log="$work/target.log"
+spylog="$work/py-spy.log"
+# The steady state only: bench.steady_state warms up (imports, the kernel library, plans)
+# before it says it is ready; py-spy attaches then, and the profiled steps start once it
+# has (the first samples of a run are otherwise imports and the kernel build).
 for recipe in "${recipes[@]}"; do
   for format in flamegraph speedscope; do
     case $format in
       flamegraph) out="profiles/out/train_step_${recipe}.svg" ;;
       speedscope) out="profiles/out/train_step_${recipe}.speedscope.json" ;;
     esac
-    if ! "$SPY" record --rate 250 --format "$format" --output "$out" -- \
-        "$PY" -m bench.train_step --recipes "$recipe" --steps "$STEPS" >"$log" 2>&1; then
-      cat "$log" >&2
-      if grep -qiE "permission denied|operation not permitted|ptrace|EPERM" "$log"; then
+    rm -f "$work/ready" "$work/go"
+    "$PY" -m bench.steady_state --recipe "$recipe" --steps "$STEPS" \
+      --ready "$work/ready" --go "$work/go" >"$log" 2>&1 &
+    target=$!
+    while [ ! -e "$work/ready" ]; do
+      if ! kill -0 "$target" 2>/dev/null; then
+        cat "$log" >&2
+        echo "record.sh: the training step stopped before its warm-up ended (output above)" >&2
+        exit 1
+      fi
+      sleep 0.2
+    done
+    "$SPY" record --rate 250 --format "$format" --output "$out" --pid "$target" \
+      >"$spylog" 2>&1 &
+    spy=$!
+    sleep 1  # py-spy attached: the profiled steps may start
+    touch "$work/go"
+    spy_rc=0
+    wait "$spy" || spy_rc=$?
+    if [ "$spy_rc" -ne 0 ]; then
+      cat "$spylog" >&2
+      if grep -qiE "permission denied|operation not permitted|ptrace|EPERM" "$spylog"; then
         cat >&2 <<'MSG'
 
 record.sh: py-spy may not trace processes here (ptrace is not permitted). Either
@@ -47,7 +76,15 @@ MSG
       echo "record.sh: py-spy failed (output above)" >&2
       exit 1
     fi
-    tail -n 3 "$log"
+    target_rc=0
+    wait "$target" || target_rc=$?
+    target=""
+    if [ "$target_rc" -ne 0 ]; then
+      cat "$log" >&2
+      echo "record.sh: the training step failed (output above)" >&2
+      exit 1
+    fi
+    tail -n 1 "$log"
     echo "wrote $out"
   done
 done
