@@ -33,7 +33,7 @@ kernels: $(STAMP)
 	$(PY) -m fastcast.kernels || echo "fused kernels not built: the PyTorch reference path runs"
 
 test: kernels
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests bench/tests
 
 # The minutes-long tests (marked slow): a wheel installed into a fresh environment, and
 # builds from an empty kernel directory (.ci/run runs them after `make test`).

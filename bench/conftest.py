@@ -56,6 +56,9 @@ def pytest_collection_modifyitems(session, config, items):
             targets.append(_check_target(module.__name__, target))
 
 
+# optionalhook: bench/tests runs under `make test` too, where pytest-benchmark (the
+# [bench] extra) may be missing and this hook would otherwise be an unknown one.
+@pytest.hookimpl(optionalhook=True)
 def pytest_benchmark_update_json(config, benchmarks, output_json):
     versions = {"python": sys.version.split()[0]}
     for name in ("torch", "fastcast", "torchao"):

@@ -83,7 +83,7 @@ BASELINES = frozenset(
 )
 
 
-def machine(data: dict) -> str:
+def machine_of(data: dict) -> str:
     """The machine a result ran on: host name and CPU (what makes timings comparable)."""
     info = data.get("machine_info") or {}
     cpu = (info.get("cpu") or {}).get("brand_raw") or info.get("processor") or "?"
@@ -118,7 +118,8 @@ def compare(old: dict, new: dict, threshold: float = THRESHOLD) -> list[dict]:
         return b.median / a.median if a.median > 0 else math.inf
 
     baseline = [(b.group, ratio(a, b)) for a, b in pairs if b.name in BASELINES]
-    overall = _median([r for _, r in baseline] or [ratio(a, b) for a, b in pairs] or [1.0])
+    # Without baselines in both runs nothing tells load from a change: no correction.
+    overall = _median([r for _, r in baseline] or [1.0])
     rows = []
     for a, b in pairs:
         in_group = [r for g, r in baseline if g == b.group]
@@ -154,7 +155,9 @@ def drift_summary(rows: list[dict]) -> str:
     )
 
 
-def format_comparison(rows: list[dict], old_label: str, new_label: str, threshold: float) -> str:
+def format_comparison(
+    rows: list[dict], old_label: str, new_label: str, threshold: float, verdicts: bool = True
+) -> str:
     table = [
         [r["group"], r["name"] + (" (baseline)" if r["baseline"] else "")]
         + [format_time(r["old"]), format_time(r["new"]), format_ratio(r["ratio"])]
@@ -167,6 +170,9 @@ def format_comparison(rows: list[dict], old_label: str, new_label: str, threshol
     count = {s: sum(r["status"] == s for r in rows) for s in ("REGRESSION", "faster", "noisy")}
     lines = [f"old: {old_label}", f"new: {new_label}", drift_summary(rows), ""]
     lines += text_table(headers, table, {2, 3, 4, 5, 6})
+    if not verdicts:
+        return "\n".join([*lines, "", f"{len(rows)} benchmarks compared (two machines: "
+                           "ratios only, no verdicts)"])  # fmt: skip
     lines += [
         "",
         f"{len(rows)} benchmarks compared, {count['REGRESSION']} slower than {threshold:.2f}x "
@@ -203,20 +209,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         old_path, new_path = saved[-2], saved[-1]
     old, new = json.loads(old_path.read_text()), json.loads(new_path.read_text())
-    if machine(old) != machine(new):
+    if machine_of(old) != machine_of(new):
         if not args.any_machine:
             print(
-                f"bench.history: {old_path} ran on {machine(old)}, {new_path} on "
-                f"{machine(new)}: timings of two machines say nothing about a regression. "
+                f"bench.history: {old_path} ran on {machine_of(old)}, {new_path} on "
+                f"{machine_of(new)}: timings of two machines say nothing about a regression. "
                 "Compare two runs of this machine (`make bench` twice, then `make "
                 "bench-compare`), or pass --any-machine for the bare ratios."
             )
             return 2
     rows = compare(old, new, args.threshold)
-    if machine(old) != machine(new):
+    same = machine_of(old) == machine_of(new)
+    if not same:
         for row in rows:
             row["status"] = ""  # two machines: ratios, no verdicts
-    print(format_comparison(rows, f"{old_path} ({machine(old)})", str(new_path), args.threshold))
+    old_label = f"{old_path} ({machine_of(old)})"
+    new_label = f"{new_path} ({machine_of(new)})"
+    print(format_comparison(rows, old_label, new_label, args.threshold, verdicts=same))
     regressed = any(r["status"] == "REGRESSION" for r in rows)
     return 1 if args.strict and regressed else 0
 

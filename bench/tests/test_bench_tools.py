@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `bench` is a top-level package of the repository
     sys.path.insert(0, str(ROOT))
 
 from bench import history, readme  # noqa: E402
-from bench.run import format_time  # noqa: E402
+from bench.report import format_time  # noqa: E402
 
 SAMPLE = ROOT / "bench" / "results" / "sample.json"
 
@@ -67,6 +67,7 @@ def test_compare_uses_per_call_medians_and_the_threshold():
     )
     rows = {r["name"]: r for r in history.compare(old, new, threshold=1.10)}
     assert set(rows) == {"slower", "faster", "same"}  # only benchmarks in both runs
+    assert rows["slower"]["drift"] == 1.0  # no baseline moved: nothing to correct
     assert rows["slower"]["old"] == pytest.approx(10e-6)  # per call, not the loop's total
     assert rows["slower"]["new"] == pytest.approx(11.5e-6)
     assert rows["slower"]["ratio"] == pytest.approx(1.15)
@@ -90,6 +91,62 @@ def test_save_keeps_every_run_per_machine_stats_only(tmp_path):
     saved = json.loads(first.read_text())
     assert "data" not in saved["benchmarks"][0] and "data" not in saved["benchmarks"][0]["stats"]
     assert saved["benchmarks"][0]["stats"]["median"] == 1.0
+
+
+def _noisy(entry: dict, spread: float) -> dict:
+    entry["stats"]["iqr"] = entry["stats"]["median"] * spread
+    return entry
+
+
+def test_a_loaded_machine_is_no_regression_but_a_real_one_still_is():
+    # The new run on a machine 1.3x slower overall: the baselines (PyTorch alone) of each
+    # group slowed as much as fastcast's entries; one fastcast entry slowed 1.3 * 1.5x.
+    old = _run(
+        "m",
+        "t0",
+        _bench("test_nn_linear", 10e-6, group="linear"),
+        _bench("test_fc_linear_current", 20e-6, group="linear"),
+        _bench("test_plain_cast", 1e-3, group="quantize"),
+        _bench("test_current_scaling", 1.2e-3, group="quantize"),
+        _bench("test_mxfp8", 2e-3, group="quantize"),
+    )
+    new = _run(
+        "m",
+        "t1",
+        _bench("test_nn_linear", 13e-6, group="linear"),
+        _bench("test_fc_linear_current", 26e-6, group="linear"),
+        _bench("test_plain_cast", 1.3e-3, group="quantize"),
+        _bench("test_current_scaling", 1.56e-3, group="quantize"),
+        _bench("test_mxfp8", 2e-3 * 1.3 * 1.5, group="quantize"),
+    )
+    rows = {r["name"]: r for r in history.compare(old, new, threshold=1.10)}
+    assert all(r["ratio"] >= 1.3 - 1e-9 for r in rows.values())  # all slower in raw time
+    assert rows["test_fc_linear_current"]["drift"] == pytest.approx(1.3)
+    assert rows["test_fc_linear_current"]["adjusted"] == pytest.approx(1.0)
+    assert rows["test_fc_linear_current"]["status"] == ""
+    assert rows["test_current_scaling"]["status"] == ""
+    assert rows["test_mxfp8"]["adjusted"] == pytest.approx(1.5)
+    assert rows["test_mxfp8"]["status"] == "REGRESSION"
+    assert sum(r["status"] == "REGRESSION" for r in rows.values()) == 1
+    # The same 1.5x inside a benchmark whose rounds spread by 60% is only noisy.
+    _noisy(new["benchmarks"][-1], 0.6)
+    rows = {r["name"]: r for r in history.compare(old, new, threshold=1.10)}
+    assert rows["test_mxfp8"]["status"] == "noisy" and rows["test_mxfp8"]["spread_new"] == 0.6
+    text = history.format_comparison(list(rows.values()), "old", "new", 1.10)
+    assert "machine drift (baselines, PyTorch alone; new/old): median 1.30x" in text
+    assert "60%" in text and "1 beyond the threshold but within their own spread" in text
+
+
+def test_runs_of_two_machines_are_not_compared(tmp_path, capsys):
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps(_run("ci-box", "t", _bench("x", 0.001))))
+    new.write_text(json.dumps(_run("laptop", "t", _bench("x", 0.002))))
+    assert history.main([str(old), str(new), "--strict"]) == 2
+    out = capsys.readouterr().out
+    assert "ran on ci-box" in out and "on laptop" in out and "REGRESSION" not in out
+    assert history.main([str(old), str(new), "--any-machine", "--strict"]) == 0
+    out = capsys.readouterr().out
+    assert "2.00x" in out and "REGRESSION" not in out  # ratios, no verdicts
 
 
 def test_compare_command_on_two_files(tmp_path, capsys):
@@ -329,8 +386,9 @@ def test_make_profile_names_a_missing_ptrace_permission(tmp_path):
     spy = tmp_path / "py-spy"
     spy.write_text("#!/bin/sh\necho 'Caused by: Permission denied (os error 13)' >&2\nexit 1\n")
     spy.chmod(0o755)
-    python = tmp_path / "python"
-    python.symlink_to(sys.executable)
+    python = tmp_path / "python"  # this interpreter (its environment: torch)
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
     env = dict(os.environ, PYTHON=str(python), STEPS="1")
     done = _script("record.sh", env)
     assert done.returncode == 3
@@ -353,3 +411,96 @@ def test_charts_from_the_sample(sample, tmp_path):
     partial = copy.deepcopy(sample)
     partial["benchmarks"] = [b for b in partial["benchmarks"] if b["group"] != "linear-fwd-bwd"]
     assert "linear.png" not in {p.name for p in charts.draw(partial, None, tmp_path / "p")}
+
+
+def test_make_profile_samples_only_the_steady_state(tmp_path):
+    # A py-spy that checks, when started, that the target finished its warm-up (the
+    # --ready file exists), then waits for the target to end and writes its output.
+    spy = tmp_path / "py-spy"
+    log = tmp_path / "spy.log"
+    spy.write_text(
+        "#!/bin/bash\n"
+        'while [ $# -gt 0 ]; do case $1 in --pid) pid=$2; shift;; --output) out=$2; shift;; '
+        "esac; shift; done\n"
+        'ready=$(tr "\\0" "\\n" < /proc/$pid/cmdline | grep -A1 -x -- --ready | tail -n 1)\n'
+        f'if [ -e "$ready" ]; then echo warm >> "{log}"; else echo cold >> "{log}"; fi\n'
+        'while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done\n'
+        'echo profile > "$out"\n'
+    )
+    spy.chmod(0o755)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(python), STEPS="2", PYTHONPATH=str(ROOT))
+    done = _script("record.sh", env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert log.read_text().split() == ["warm", "warm"]  # flamegraph, speedscope
+    assert "steady_state: current, 2 steps after 10 warm-up steps" in done.stdout
+
+
+# --------------------------------------------------------------------------- summary.md
+
+
+def test_summary_has_the_overhead_training_step_and_compile_tables(sample):
+    from bench import run
+
+    extra = _train_step_sample(sample)["fastcast"]
+    lines = run.summary_sections(
+        {
+            "overhead": sample["fastcast"]["overhead"],
+            "train_step": extra["train_step"],
+            "train_step_compile": extra["train_step_compile"],
+        }
+    )
+    titles = [line for line in lines if line.startswith("## ")]
+    assert titles == [
+        "## Overhead per range (bench.overhead_report)",
+        "## Training step, eager (bench.train_step)",
+        "## Training step, compiled (bench.train_step --compile)",
+    ]
+    # The compile table's target is stated with its verdicts (torchao has none).
+    target = "Target: a compiled FP8/FP4 step <= 0.6x its eager step: current 0.50x pass."
+    assert lines[-2] == target
+
+
+# --------------------------------------------------------------------------- a leaf
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (imports inside functions count)."""
+    import ast
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_bench_is_a_leaf_without_cycles():
+    outside = [*(ROOT / "fastcast").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]
+    importers = [
+        p.relative_to(ROOT).as_posix()
+        for p in outside
+        if any(m == "bench" or m.startswith("bench.") for m in _imports(p))
+    ]
+    assert importers == [], "bench/ must be a leaf: nothing in fastcast or tests imports it"
+    modules = {p.stem for p in (ROOT / "bench").glob("*.py")} - {"__init__", "conftest"}
+    graph = {
+        m: {i.split(".")[1] for i in _imports(ROOT / "bench" / f"{m}.py")
+            if i.startswith("bench.") and i.split(".")[1] in modules}
+        for m in modules
+    }  # fmt: skip
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    assert [m for m in sorted(modules) if m in reach(m)] == [], graph
