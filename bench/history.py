@@ -29,7 +29,15 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench.report import RESULTS, Entry, format_ratio, format_time, stats_only, text_table
+from bench.report import (
+    RESULTS,
+    Entry,
+    format_ratio,
+    format_time,
+    spread,
+    stats_only,
+    text_table,
+)
 
 HISTORY = RESULTS / "history"
 THRESHOLD = 1.10
@@ -88,11 +96,6 @@ def machine_of(data: dict) -> str:
     info = data.get("machine_info") or {}
     cpu = (info.get("cpu") or {}).get("brand_raw") or info.get("processor") or "?"
     return f"{info.get('node') or 'unknown'} ({cpu})"
-
-
-def spread(entry: Entry) -> float:
-    """How noisy one benchmark's rounds were: IQR over median (0.1 = 10%)."""
-    return entry.iqr / entry.median if entry.median > 0 else math.inf
 
 
 def _median(values: list[float]) -> float:

@@ -127,6 +127,38 @@ def _format_count(value: object) -> str:
 EXTRA_COLUMNS = {"bytes": ("bytes", format_bytes), "aten_ops": ("ATen ops", _format_count)}
 
 
+def spread(entry: Entry) -> float:
+    """How noisy a benchmark's rounds were: IQR over median (0.1 = 10%)."""
+    return entry.iqr / entry.median if entry.median > 0 else math.inf
+
+
+def format_spread(entry: Entry) -> str:
+    return f"{spread(entry):.0%}"
+
+
+# A benchmark whose rounds spread wider than this is called noisy in the run's summary.
+NOISY_SPREAD = 0.10
+
+
+def noise_summary(entries: list[Entry]) -> str:
+    """One line on how noisy the run was: the spread (IQR / median) of its benchmarks,
+    naming the noisiest. On a loaded machine rounds cluster at multiples of the
+    scheduler's time slice, which shows here before it shows in the medians."""
+    ranked = sorted(entries, key=spread, reverse=True)
+    spreads = sorted(spread(e) for e in entries)
+    median = spreads[len(spreads) // 2]
+    noisy = [e for e in ranked if spread(e) > NOISY_SPREAD]
+    line = (
+        f"run noise: spread (IQR / median) {median:.0%} for the median benchmark; "
+        f"{len(noisy)} of {len(entries)} above {NOISY_SPREAD:.0%}"
+    )
+    if noisy:
+        line += ": " + ", ".join(f"{e.name} {spread(e):.0%}" for e in noisy[:5])
+        line += ", ..." if len(noisy) > 5 else ""
+        line += " (a loaded machine: compare such runs with care)"
+    return line
+
+
 def load(path: Path) -> tuple[dict, list[Entry]]:
     data = json.loads(path.read_text())
     return data, [Entry(b) for b in data.get("benchmarks", [])]
@@ -154,7 +186,7 @@ def build_report(data: dict, entries: list[Entry]) -> tuple[list[str], list[str]
     groups: dict[str, list[Entry]] = {}
     for e in entries:
         groups.setdefault(e.group, []).append(e)
-    headers = ["benchmark", "median", "IQR", "vs fastest", "rounds"]
+    headers = ["benchmark", "median", "IQR", "spread", "vs fastest", "rounds"]
     for group in sorted(groups):
         members = sorted(groups[group], key=lambda e: e.median)
         fastest = members[0].median
@@ -164,6 +196,7 @@ def build_report(data: dict, entries: list[Entry]) -> tuple[list[str], list[str]
                 e.name,
                 format_time(e.median),
                 format_time(e.iqr),
+                format_spread(e),
                 format_ratio(e.median / fastest if fastest > 0 else math.nan),
                 str(e.rounds),
                 *(EXTRA_COLUMNS[c][1](e.extra.get(c)) for c in extras),
@@ -181,6 +214,10 @@ def build_report(data: dict, entries: list[Entry]) -> tuple[list[str], list[str]
         text += ["", f"[{group}]  ({note})", *text_table(columns, rows, right)]
         md += [f"## {md_escape(group)}", "", f"_{md_escape(note)}_", ""]
         md += [*md_table(columns, rows, right), ""]
+
+    noise = noise_summary(entries)
+    text += ["", noise]
+    md += [md_escape(noise), ""]
 
     by_key = {(e.module, e.group, e.name): e for e in entries}
     rows, missed, skipped, not_run = [], 0, 0, 0
