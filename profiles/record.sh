@@ -2,7 +2,8 @@
 # CPU profile of the training step in its steady state (bench/steady_state.py: warm-up
 # steps first, not sampled) with py-spy: a flamegraph (SVG) and a speedscope JSON per
 # recipe, in profiles/out/.
-# Usage: [PYTHON=python] bash profiles/record.sh [recipe ...]   (default: current)
+# Usage: [PYTHON=python] [STEPS=100] [OUT=profiles/out] bash profiles/record.sh [recipe ...]
+# (default recipe: current)
 # PYTHON: the interpreter to profile (default: python3 on PATH; `make profile` passes the
 # project's .venv). py-spy is taken from beside it, else from PATH.
 set -uo pipefail
@@ -19,7 +20,8 @@ if [ -z "$SPY" ]; then
   echo "record.sh: py-spy is not installed (pip install py-spy, or the [bench] extra)" >&2
   exit 2
 fi
-mkdir -p profiles/out
+OUT=${OUT:-profiles/out}
+mkdir -p "$OUT"
 recipes=("$@")
 [ ${#recipes[@]} -gt 0 ] || recipes=(current)
 work=$(mktemp -d)
@@ -37,8 +39,8 @@ spylog="$work/py-spy.log"
 for recipe in "${recipes[@]}"; do
   for format in flamegraph speedscope; do
     case $format in
-      flamegraph) out="profiles/out/train_step_${recipe}.svg" ;;
-      speedscope) out="profiles/out/train_step_${recipe}.speedscope.json" ;;
+      flamegraph) out="$OUT/train_step_${recipe}.svg" ;;
+      speedscope) out="$OUT/train_step_${recipe}.speedscope.json" ;;
     esac
     rm -f "$work/ready" "$work/go"
     "$PY" -m bench.steady_state --recipe "$recipe" --steps "$STEPS" \

@@ -389,7 +389,7 @@ def test_make_profile_names_a_missing_ptrace_permission(tmp_path):
     python = tmp_path / "python"  # this interpreter (its environment: torch)
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     python.chmod(0o755)
-    env = dict(os.environ, PYTHON=str(python), STEPS="1")
+    env = dict(os.environ, PYTHON=str(python), STEPS="1", OUT=str(tmp_path / "out"))
     done = _script("record.sh", env)
     assert done.returncode == 3
     assert "ptrace is not permitted" in done.stderr and "SYS_PTRACE" in done.stderr
@@ -432,9 +432,11 @@ def test_make_profile_samples_only_the_steady_state(tmp_path):
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     python.chmod(0o755)
     env = dict(os.environ, PYTHON=str(python), STEPS="2", PYTHONPATH=str(ROOT))
-    done = _script("record.sh", env)
+    done = _script("record.sh", env | {"OUT": str(tmp_path / "out")})
     assert done.returncode == 0, done.stdout + done.stderr
     assert log.read_text().split() == ["warm", "warm"]  # flamegraph, speedscope
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert written == ["train_step_current.speedscope.json", "train_step_current.svg"]
     assert "steady_state: current, 2 steps after 10 warm-up steps" in done.stdout
 
 
