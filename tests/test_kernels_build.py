@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -211,7 +212,14 @@ def test_a_wheel_in_a_fresh_environment_uses_the_fused_kernels(tmp_path):
             isolation = ["--no-build-isolation"]
     except ImportError:
         pass
-    _pip("wheel", str(ROOT), "--no-deps", *isolation, "-w", str(tmp_path / "dist"), "-q")
+    # From a copy of what the sdist holds: setuptools writes build/ and *.egg-info/
+    # beside the sources, which must not land in the checkout.
+    source = tmp_path / "src"
+    shutil.copytree(ROOT / "fastcast", source / "fastcast",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    _pip("wheel", str(source), "--no-deps", *isolation, "-w", str(tmp_path / "dist"), "-q")
     (wheel,) = (tmp_path / "dist").glob("fastcast-*.whl")
     # A fresh environment that sees this one's packages (torch) but not its fastcast:
     # `venv --system-site-packages` would expose the base interpreter's, not this venv's.
