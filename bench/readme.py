@@ -1,12 +1,13 @@
-"""Render README's benchmark tables from the committed sample: ``make readme``.
+"""Render the benchmark tables of README and docs from the committed sample: ``make readme``.
 
-README.md holds generated blocks between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME
--->`` markers; ``python -m bench.readme`` rewrites each from
-``bench/results/sample.json`` (per-call medians, inner loops divided out) and leaves
-every other line alone, so rendering twice changes nothing. ``--check`` exits 1 when
-README is not what the sample renders (a hand edit, or a sample updated without
+README.md, docs/benchmarks.md and docs/profiling.md hold generated blocks between
+``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` markers; ``python -m bench.readme``
+rewrites each from ``bench/results/sample.json`` (per-call medians, inner loops divided
+out) and leaves every other line alone, so rendering twice changes nothing. ``--check``
+exits 1 when a page is not what the sample renders (a hand edit, or a sample updated without
 ``make readme``). Blocks:
 
+- ``headline`` (README): a few rows of ``micro`` and the training step's ratios;
 - ``micro``: autocast, Linear and quantize medians, ratios and targets;
 - ``checkpoint``: checkpoint save/load times and ratios to ``nn.Linear``;
 - ``overhead``: the overhead report stored in the sample (``fastcast.overhead``, put
@@ -31,6 +32,7 @@ from pathlib import Path
 from bench.report import ROOT, SAMPLE, Entry, format_ratio, format_time
 
 README = ROOT / "README.md"
+PAGES = (README, ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "profiling.md")
 Lookup = Callable[[str], Entry]
 
 
@@ -216,6 +218,15 @@ def micro_table(get: Lookup) -> list[str]:
     return _md(["what", "median", "ratio", "target"], ["---", "---:", "---:", "---"], rows)
 
 
+# README's few rows: what a user compares first (MICRO's rows, by position).
+HEADLINE_ROWS = (0, 1, 3, 7, 8, 9, 11)
+
+
+def headline_table(get: Lookup) -> list[str]:
+    rows = [MICRO[i].cells(get) for i in HEADLINE_ROWS]
+    return _md(["what", "median", "ratio", "target"], ["---", "---:", "---:", "---"], rows)
+
+
 CHECKPOINT_COLUMNS = [
     ("torch.save", "checkpoint-save-torch", "test_save_torch"),
     ("torch.load (mmap)", "checkpoint-load-torch", "test_load_torch"),
@@ -384,7 +395,11 @@ def tables(sample: dict) -> dict[str, list[str]]:
         except KeyError:
             raise KeyError(f"bench.readme: the sample has no benchmark {name!r}") from None
 
-    blocks = {"micro": micro_table(get), "checkpoint": checkpoint_table(get)}
+    blocks = {
+        "headline": headline_table(get),
+        "micro": micro_table(get),
+        "checkpoint": checkpoint_table(get),
+    }
     extra = sample.get("fastcast") or {}
     if extra.get("overhead"):
         blocks["overhead"] = overhead_table(extra["overhead"])
@@ -413,23 +428,27 @@ def render(text: str, sample: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.readme", description=__doc__)
-    p.add_argument("--check", action="store_true", help="exit 1 if README is out of date")
+    p.add_argument("--check", action="store_true", help="exit 1 if a page is out of date")
     p.add_argument("--sample", type=Path, default=SAMPLE)
-    p.add_argument("--readme", type=Path, default=README)
+    p.add_argument("--readme", type=Path, action="append", help="a page (default: README, docs)")
     args = p.parse_args(argv)
-    text = args.readme.read_text()
-    new = render(text, json.loads(args.sample.read_text()))
-    names = [m[2] for m in BLOCK.finditer(text)]
-    if args.check:
+    sample = json.loads(args.sample.read_text())
+    stale = 0
+    for page in args.readme or PAGES:
+        text = page.read_text()
+        new = render(text, sample)
+        names = [m[2] for m in BLOCK.finditer(text)]
+        if args.check:
+            if new != text:
+                print(f"{page.name} is not what {args.sample.name} renders: run `make readme`")
+                stale = 1
+            else:
+                print(f"{page.name} is up to date ({', '.join(names)})")
+            continue
         if new != text:
-            print(f"{args.readme.name} is not what {args.sample.name} renders: run `make readme`")
-            return 1
-        print(f"{args.readme.name} is up to date ({', '.join(names)})")
-        return 0
-    if new != text:
-        args.readme.write_text(new)
-    print(f"rendered {', '.join(names) or 'no blocks'} in {args.readme.name}")
-    return 0
+            page.write_text(new)
+        print(f"rendered {', '.join(names) or 'no blocks'} in {page.name}")
+    return stale
 
 
 if __name__ == "__main__":

@@ -182,16 +182,25 @@ def _cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
-def test_readme_is_what_the_sample_renders_and_rendering_is_stable(sample):
-    text = (ROOT / "README.md").read_text()
+@pytest.mark.parametrize("page", readme.PAGES, ids=lambda p: p.name)
+def test_pages_are_what_the_sample_renders_and_rendering_is_stable(sample, page):
+    text = page.read_text()
+    assert "<!-- bench:" in text
     once = readme.render(text, sample)
     assert readme.render(once, sample) == once
-    assert once == text, "README's tables differ from sample.json: run `make readme`"
+    assert once == text, f"{page.name}'s tables differ from sample.json: run `make readme`"
+
+
+def test_headline_rows_are_micro_rows(sample):
+    text = readme.render((ROOT / "README.md").read_text(), sample)
+    micro = readme.render((ROOT / "docs" / "benchmarks.md").read_text(), sample)
+    assert set(_block(text, "headline")[2:]) <= set(_block(micro, "micro")[2:])
+    assert any("torchao" in line for line in _block(text, "headline"))
 
 
 def test_a_cell_is_the_samples_per_call_median(sample):
     raw = {b["name"]: b for b in sample["benchmarks"]}
-    text = readme.render((ROOT / "README.md").read_text(), sample)
+    text = readme.render((ROOT / "docs" / "benchmarks.md").read_text(), sample)
     rows = {_cells(line)[0]: _cells(line) for line in _block(text, "micro")[2:]}
     autocast = raw["test_fc_autocast"]
     per_call = autocast["stats"]["median"] / autocast["extra_info"]["inner"]
@@ -210,13 +219,13 @@ def test_a_moved_median_moves_the_table_and_check_catches_it(sample, tmp_path):
     for b in changed["benchmarks"]:
         if b["name"] == "test_fc_autocast":
             b["stats"]["median"] = b["extra_info"]["inner"] * 200e-9  # 200 ns per call
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
     rendered = readme.render(text, changed)
     rows = {_cells(line)[0]: _cells(line) for line in _block(rendered, "micro")[2:]}
     assert rows["`with fc.autocast(recipe=r): pass`"][1] == "200 ns"
     # Outside the blocks nothing changed.
     assert rendered.split("<!-- bench:micro -->")[0] == text.split("<!-- bench:micro -->")[0]
-    copy_readme, copy_sample = tmp_path / "README.md", tmp_path / "sample.json"
+    copy_readme, copy_sample = tmp_path / "benchmarks.md", tmp_path / "sample.json"
     copy_readme.write_text(text)
     copy_sample.write_text(json.dumps(changed))
     args = ["--readme", str(copy_readme), "--sample", str(copy_sample)]
