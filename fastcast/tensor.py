@@ -491,14 +491,17 @@ class NVFP4Tensor(QuantizedTensor):
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[..., n/2]`` of two E2M1 codes each to FP32 ``[..., n]``."""
-    table = torch.tensor(
-        E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=packed.device
-    )
-    low = (packed & 0x0F).long()
-    high = (packed >> 4).long()
-    codes = torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-    return table[codes]
+    """uint8 ``[..., n/2]`` of two E2M1 codes each to FP32 ``[..., n]``.
+
+    Decoded arithmetically rather than through a value table: a table built per call
+    on a CUDA device is a blocking host-to-device copy (a sync per dequantize), and one
+    cached per device would outlive the fake tensors of a trace."""
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
+    codes = codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    exponent = ((codes >> 1) & 3).float()  # E2M1: sign, 2 exponent bits (bias 1), 1 mantissa
+    mantissa = (codes & 1).float() * 0.5
+    magnitude = torch.where(exponent == 0, mantissa, (1 + mantissa) * torch.exp2(exponent - 1))
+    return torch.where(codes >= 8, -magnitude, magnitude)
 
 
 @dataclasses.dataclass(frozen=True)

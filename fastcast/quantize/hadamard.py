@@ -65,7 +65,9 @@ def rht_matrix(signs: tuple[int, ...], device: torch.device | str = "cpu") -> to
         raise ValueError(
             f"fastcast.quantize.hadamard: signs must be {SIZE} values of +-1, got {signs!r}"
         )
-    if torch.compiler.is_compiling():  # traced: a constant of the graph, no cache
+    if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+        # Traced: a constant of the graph. A fake tensor must not outlive its trace (or
+        # its FakeTensorMode) in the process-wide cache.
         return _build(tuple(signs), torch.device(device))
     return _matrix(tuple(signs), torch.device(device))
 

@@ -1,0 +1,189 @@
+"""The CUDA path without a GPU: every recipe's fc.Linear on fake CUDA tensors, with the
+compute capability simulated (issue 25, part A; ``fake_cuda.py`` says how).
+
+What runs is what a GPU user's call runs, up to the kernels themselves: the capability
+checks, the choice of GEMM path (``torch._scaled_mm`` or the emulation), operand layouts
+and alignment padding, the scale shapes and dtypes ``torch._scaled_mm``'s meta checks
+accept, and the routing of quantize operators to their compiled (Inductor) forms.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from fake_cuda import fake_parameters, on_fresh_thread, run_backward, simulated_cuda
+
+import fastcast as fc
+from fastcast import hardware
+
+SM89, SM90, SM100 = (8, 9), (9, 0), (10, 0)
+RECIPES = {
+    "delayed": fc.DelayedScaling(amax_history_len=4),
+    "current": fc.Float8CurrentScaling(),
+    "rowwise": fc.Float8RowwiseScaling(),
+    "rowwise_hp_wgrad": fc.Float8RowwiseScaling(wgrad_high_precision=True),
+    "block": fc.Float8BlockScaling(),
+    "mxfp8": fc.MXFP8BlockScaling(),
+    "nvfp4": fc.NVFP4BlockScaling(),
+}
+# Which quantize operators each family launches on CUDA (compiled forms), and the
+# dequantize operators an emulated GEMM reads its operands through.
+OPERATORS = {
+    "delayed": {"quantize_tensorwise", "quantize_recording", "record_amax"},
+    "current": {"quantize_tensorwise"},
+    "rowwise": {"quantize_rows", "dequantize_blocks"},
+    "rowwise_hp_wgrad": {"quantize_rows", "dequantize_blocks"},
+    "block": {"quantize_blocks", "dequantize_blocks"},
+    "mxfp8": {"quantize_mxfp8", "dequantize_blocks"},
+    "nvfp4": {"quantize_nvfp4", "dequantize_nvfp4"},
+}
+
+
+def tensor_core_gemms(name: str, capability: tuple[int, int], dtype: torch.dtype,
+                      cuda: str = "12.9") -> int:
+    """How many of the layer's three GEMMs should run on FP8 tensor cores, from what the
+    kernels support (not from fastcast's code): per-tensor FP8 on sm89+; per-row FP8 with
+    a bf16 output on sm89+, any float output on sm90 with cuBLAS 12.9+; the block-scaled
+    families are emulated (fastcast does not drive their kernels yet)."""
+    if capability < SM89:
+        return 0
+    if name in ("delayed", "current"):
+        return 3
+    if name.startswith("rowwise"):
+        fp32_ok = capability[0] == 9 and tuple(map(int, cuda.split("."))) >= (12, 9)
+        gemms = 2 if name == "rowwise_hp_wgrad" else 3
+        return gemms if dtype == torch.bfloat16 or fp32_ok else 0
+    return 0
+
+
+def linear_fwd_bwd(recipe, dtype, tokens=64, k=128, n=256, bias=True):
+    layer = fake_parameters(fc.Linear(k, n, bias=bias, dtype=dtype))
+    x = torch.empty(tokens, k, device="cuda", dtype=dtype, requires_grad=True)
+    with fc.autocast(recipe=recipe):
+        y = layer(x)
+    run_backward(y, torch.empty_like(y))
+    return layer, x, y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("capability", [SM89, SM90, SM100], ids=["sm89", "sm90", "sm100"])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_linear_forward_backward_on_fake_cuda(name, capability, dtype):
+    def body():
+        with simulated_cuda(capability) as launched:
+            layer, x, y = linear_fwd_bwd(RECIPES[name], dtype)
+            assert (y.shape, y.dtype, y.device.type) == ((64, 256), dtype, "cuda")
+            assert (x.grad.shape, x.grad.dtype, x.grad.device.type) == ((64, 128), dtype, "cuda")
+            assert layer.weight.grad.shape == (256, 128) and layer.weight.grad.dtype == dtype
+            assert layer.bias.grad.shape == (256,) and layer.bias.grad.dtype == dtype
+        return launched
+
+    launched = on_fresh_thread(body)
+    # The GEMM path: tensor cores where the kernels allow, with the scales they take.
+    assert len(launched.scaled_mm) == tensor_core_gemms(name, capability, dtype)
+    for call in launched.scaled_mm:
+        (m, _), (nn_, _, b_stride) = call["a"][:2], call["b"][:3]
+        assert call["scale_a"][1] == call["scale_b"][1] == torch.float32
+        assert b_stride[0] == 1  # b is column-major, as cuBLASLt wants b.T row-major
+        if name.startswith("rowwise"):
+            assert call["scale_a"][0] == (m[0], 1) and call["scale_b"][0] == (1, nn_[1])
+        else:
+            assert call["scale_a"][0] in ((), (1,)) and call["scale_b"][0] in ((), (1,))
+    # Quantization ran the compiled CUDA operators, each of this family's, and no step
+    # asked the device for a value (a host sync would stall the GPU's queue).
+    assert launched.compiled_ops and set(launched.compiled_ops) <= OPERATORS[name]
+    assert launched.host_syncs == []
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "current"])
+def test_token_counts_off_the_block_are_padded_on_cuda(name):
+    """33 tokens: the weight gradient's blocks run along the tokens, so MXFP8 (32) and
+    NVFP4 (16) pad them; the output and gradients keep the user's 33 rows."""
+    with simulated_cuda(SM100):
+        layer, x, y = linear_fwd_bwd(RECIPES[name], torch.bfloat16, tokens=33)
+        assert y.shape == (33, 256) and x.grad.shape == (33, 128)
+        assert layer.weight.grad.shape == (256, 128)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_no_grad_forward_on_fake_cuda(name):
+    """Inference (no autograd): forward only, and no column-wise layouts made."""
+
+    def body():
+        with simulated_cuda(SM90) as launched:
+            layer = fake_parameters(fc.Linear(128, 256, dtype=torch.bfloat16))
+            x = torch.empty(2, 16, 128, device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad(), fc.autocast(recipe=RECIPES[name]):
+                y = layer(x)
+            assert (y.shape, y.dtype) == ((2, 16, 256), torch.bfloat16)
+        return launched
+
+    launched = on_fresh_thread(body)
+    assert len(launched.scaled_mm) <= 1 and launched.host_syncs == []
+
+
+def test_unaligned_features_fall_back_to_the_emulation():
+    """The FP8 kernels need K and N multiples of 16: other shapes run emulated, same
+    outputs' shapes and dtypes."""
+    with simulated_cuda(SM90) as launched:
+        layer, x, y = linear_fwd_bwd(fc.Float8CurrentScaling(), torch.bfloat16, k=120, n=200)
+        assert y.shape == (64, 200) and layer.weight.grad.shape == (200, 120)
+    assert launched.scaled_mm == []
+
+
+def test_torch_autocast_bf16_output_on_fake_cuda():
+    """Under torch.autocast the layer's output takes autocast's dtype, as nn.Linear's;
+    without a bias (an FP32 bias is added to the FP32 product first) the kernel writes it."""
+    with simulated_cuda(SM90) as launched:
+        layer = fake_parameters(fc.Linear(128, 256, bias=False))
+        x = torch.empty(64, 128, device="cuda", requires_grad=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16), fc.autocast(
+            recipe=fc.Float8CurrentScaling()
+        ):
+            y = layer(x)
+        assert y.dtype == torch.bfloat16
+    assert launched.scaled_mm[0]["out_dtype"] == torch.bfloat16
+
+
+def test_gpus_without_fp8_refuse_clearly_unless_emulated(monkeypatch):
+    with simulated_cuda((8, 0)):
+        ok, reason = fc.fp8_available()
+        assert not ok and "8.9" in reason and "8.0" in reason
+        with pytest.raises(RuntimeError, match="compute capability 8.9"):
+            with fc.autocast(recipe=fc.Float8CurrentScaling()):
+                pass
+        monkeypatch.setenv("FASTCAST_GEMM", "emulate")
+        hardware.refresh()
+        layer, x, y = linear_fwd_bwd(fc.Float8CurrentScaling(), torch.bfloat16)
+        assert y.shape == (64, 256)
+
+
+def test_compiled_operators_are_chosen_for_cuda_without_running_the_device():
+    from fastcast.kernels import choice
+
+    with simulated_cuda(SM90) as launched:
+        x = torch.empty(64, 128, device="cuda")
+        op = choice.fused_op("quantize_tensorwise", x)
+        assert op is not None and op.__name__ == "quantize_tensorwise"
+        assert launched.compiled_ops == []  # chosen, not yet called
+
+
+def test_missing_triton_runs_the_reference_after_one_warning(monkeypatch):
+    from fastcast.kernels import choice
+
+    with simulated_cuda(SM90, triton=False) as launched:
+        x = torch.empty(64, 128, device="cuda")
+        with pytest.warns(RuntimeWarning, match="triton"):
+            assert choice.fused_op("quantize_tensorwise", x) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert choice.fused_op("quantize_rows", x) is None  # warned once only
+        layer, x, y = linear_fwd_bwd(fc.Float8CurrentScaling(), torch.bfloat16)
+        assert y.shape == (64, 256)
+        assert launched.compiled_ops == []
+        monkeypatch.setenv("FASTCAST_KERNELS", "fused")
+        choice.refresh()
+        with pytest.raises(RuntimeError, match="FASTCAST_KERNELS=fused"):
+            choice.fused_op("quantize_tensorwise", x)
