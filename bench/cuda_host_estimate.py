@@ -7,7 +7,7 @@ takes as long as the CPU needs to launch its kernels. Two measurements, in one p
 
 1. Launches per fc.Linear forward+backward on a simulated sm90 (fake CUDA tensors, bf16,
    64x128 -> 256): compiled quantize/dequantize operators and ``torch._scaled_mm`` calls.
-2. Host time per fwd+bwd at 16x16 on this CPU, where the kernels themselves cost next to
+2. Host time per fwd+bwd at 32x32 on this CPU, where the kernels themselves cost next to
    nothing, for: ``nn.Linear``; ``fc.Linear`` on the C++ operators (the CPU path);
    ``fc.Linear`` with ``FASTCAST_KERNELS=compiled`` (every quantize through its own
    compiled function, as CUDA routes them: ~the eager CUDA layer's host cost); and the
@@ -107,15 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    x = torch.randn(16, 16, requires_grad=True)
-    base = median_us(fwd_bwd(nn.Linear(16, 16), x, None))
-    print(f"nn.Linear 16x16 fwd+bwd: {base:.1f} us (host-bound on a GPU too)")
+    x = torch.randn(32, 32, requires_grad=True)  # MXFP8 blocks are 32 wide
+    base = median_us(fwd_bwd(nn.Linear(32, 32), x, None))
+    print(f"nn.Linear 32x32 fwd+bwd: {base:.1f} us (host-bound on a GPU too)")
     head = "recipe   compiled ops  scaled_mm  C++ ops (CPU)  compiled ops (CUDA's)  one region"
     print(head)
     for name in args.recipes.split(","):
         recipe = RECIPES[name]
         ops, mms = launches(recipe)
-        layer = fc.convert(nn.Linear(16, 16))
+        layer = fc.convert(nn.Linear(32, 32))
         with_kernels("fused")
         cpp = median_us(fwd_bwd(layer, x, recipe))
         with_kernels("compiled")
