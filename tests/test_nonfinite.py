@@ -297,9 +297,10 @@ def test_finite_values_near_the_fp32_max_stay_finite(
 ):
     """A finite input, however close to the FP32 (or BF16) max, dequantizes to a finite
     value of its sign, saturating at worst: against the float64 input, the error of a
-    huge value is at most a quarter of it (scales from the tensor's own amaxes) (the widest saturation: E4M3 with a
-    power-of-two scale keeps 448 * 2**119, 0.78 of the FP32 max). The fused operators
-    (``auto``) and the PyTorch reference, which the compiled forms run, both."""
+    huge value is at most a quarter of it where the scales come from the tensor itself
+    (the widest saturation: E4M3 with a power-of-two scale keeps 448 * 2**119, 0.78 of
+    the FP32 max). The fused operators (``auto``) and the PyTorch reference, which the
+    compiled forms run, both."""
     if family in NVFP4 and fmt == "e5m2":
         pytest.skip("NVFP4 has one element format")
     monkeypatch.setenv("FASTCAST_KERNELS", kernels)

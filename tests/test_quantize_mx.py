@@ -225,6 +225,34 @@ def test_rceil_boundary_at_fmt_max(fmt):
     assert q.quantize(above).data[0, 1].float().item() == fmt_max / 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_values_near_the_fp32_max_stay_finite(fmt, rule, dtype):
+    """Blocks whose amax lies in the dtype's top binade: rceil would take X one past
+    127 - emax_elem there, where the largest elements round up to FP8 codes worth 2**128.
+    X stops at 127 - emax_elem (the reference's bound, derived from the FP32 max), the
+    largest elements saturate, and every value dequantizes to a finite one, in both
+    layouts."""
+    top = float(torch.finfo(dtype).max)
+    emax = EMAX_ELEM[fmt]
+    ramp = torch.linspace(-1, 1, 32, dtype=torch.float64)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    x[0, :32] = top * ramp  # the max itself, both signs
+    x[1, :32] = top * 0.999
+    x[2, 32:] = -top * (0.75 + 0.25 * ramp.abs())
+    x[:, 7] = top * torch.linspace(0.5, 1, 32, dtype=torch.float64)  # a column block too
+    x = x.to(dtype)
+    assert bool(x.isfinite().all())
+    q = MXFP8Quantizer(fmt=fmt, scale_rule=rule).quantize(x, columnwise=True)
+    codes, exps = check_layout(q.data, q.scale_inv, x, fmt, rule)
+    check_dequantize(q, codes, exps, 32, 64)
+    check_layout(q.data_t, q.scale_inv_t, x.t(), fmt, rule)
+    assert int(q.scale_inv.max()) == 127 - emax + 127 == int(q.scale_inv_t.max())
+    for deq in (q.dequantize(torch.float32), q.t().dequantize(torch.float32), q.dequantize()):
+        assert bool(deq.isfinite().all())
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_ocp_rule_saturates(fmt):
     emax, fmt_max = EMAX_ELEM[fmt], FMT_MAX[fmt]
