@@ -194,10 +194,10 @@ class Linear(nn.Linear):
             # state leaves the module as it was; nn.Module then hands it to
             # set_extra_state, which takes the decoded metas.
             state = state_dict[key]
-            checked = self.__dict__.get("_fc_checked")
-            if checked is None or checked[0] is not state:
+            checked = self.__dict__.get("_fc_checked")  # by a pre-hook, in this load
+            if checked is None or checked[0] is not state or checked[2] is not missing_keys:
                 metas = decode_extra_state(state, owner=self._where(key))
-                self.__dict__["_fc_checked"] = (state, metas)
+                self.__dict__["_fc_checked"] = (state, metas, missing_keys)
             super()._load_from_state_dict(state_dict, prefix, *args)
             return
         # nn.Linear's checkpoint (or a partial one): not a missing key, even with
@@ -244,13 +244,20 @@ def _follow_weight(metas: dict[int, ScalingMeta], weight: torch.Tensor) -> None:
 
 
 def validate_extra_states(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any = None,
+    strict: bool = True,
+    missing_keys: list[str] | None = None,
+    *_: Any,
 ) -> None:
     """Load pre-hook of every module holding an ``fc.Linear`` (``guard_loads`` installs
     it): decode every ``fc.Linear`` extra state of ``state_dict`` below ``module`` before
     the first parameter is written, so that one refused state (a later layer's) leaves
-    the whole model as it was. A state an outer module's hook already decoded in this
-    load is not decoded again."""
+    the whole model as it was. Nested modules each have the hook: a state that an outer
+    module's hook decoded in this same load (``missing_keys`` is the load's own list) is
+    not decoded again."""
     checked = []
     for name, sub in module.named_modules(prefix=prefix.rstrip("."), remove_duplicate=False):
         if isinstance(sub, Linear) and sub is not module:
@@ -258,13 +265,13 @@ def validate_extra_states(
             if key in state_dict:
                 state = state_dict[key]
                 done = sub.__dict__.get("_fc_checked")
-                if done is not None and done[0] is state:
+                if done is not None and done[0] is state and done[2] is missing_keys is not None:
                     continue
                 checked.append((sub, state, decode_extra_state(state, sub._where(key))))
     # All valid: each module takes its decoded state when the load reaches it (if it is
     # still the same object then), rather than decoding it a second time.
     for sub, state, metas in checked:
-        sub.__dict__["_fc_checked"] = (state, metas)
+        sub.__dict__["_fc_checked"] = (state, metas, missing_keys)
 
 
 def guard_loads(module: nn.Module) -> None:
