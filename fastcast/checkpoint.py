@@ -21,11 +21,13 @@ A stateless module stores the header alone (kind 0), so a state dict's layout do
 depend on whether the module has run under a stateless recipe. Version 1 (a dict of
 strings, ints and tensors, or None) still loads.
 
-Every state is validated before anything is loaded: finite, positive scales; finite,
-non-negative amaxes; consistent shapes; known fields. ``fc.Linear`` decodes its state
-before writing its parameters, and ``fc.convert`` installs a load pre-hook on the model
-that validates every ``fc.Linear``'s state before the first parameter is written, so a
-refused load changes nothing.
+Every state is validated before anything is loaded: a dense tensor with values (not on
+the meta device, not sparse or nested); finite, positive scales; finite, non-negative
+amaxes; consistent shapes; known fields. ``fc.Linear`` decodes its state before writing
+its parameters, and every module that holds an ``fc.Linear`` (a model built from them,
+or one ``fc.convert`` converted) has a load pre-hook that validates every ``fc.Linear``'s
+state before the first parameter is written, so a refused load changes nothing
+(``fastcast.nn.linear.validate_extra_states``).
 
 A pickled payload offered to a module (``bytes``, ``bytearray``, ``io.BytesIO`` or a
 uint8 tensor: the forms TransformerEngine stores its extra state in) is refused with a
@@ -163,6 +165,8 @@ def decode_extra_state(state: Any, owner: str = "module") -> dict[int, ScalingMe
     """
     if state is None:  # version 1, stateless
         return {}
+    if isinstance(state, torch.Tensor):
+        _check_readable(state, owner, "extra state")
     if isinstance(state, torch.Tensor) and state.dtype != torch.uint8:
         return _decode_tensor(state, owner)
     if _is_v1(state):
@@ -184,6 +188,23 @@ def decode_extra_state(state: Any, owner: str = "module") -> dict[int, ScalingMe
             )
         return _decode_unpickled(unpickle(data, owner), owner)
     raise ValueError(f"{owner}: unrecognised extra state of type {type(state).__name__}")
+
+
+def _check_readable(t: torch.Tensor, owner: str, what: str) -> None:
+    """ValueError naming ``owner`` unless ``t`` is a dense tensor with values to read (on
+    any device but meta): a meta, sparse or nested tensor would otherwise fail deep in
+    torch with a NotImplementedError or RuntimeError that names no module."""
+    if t.is_meta:
+        raise ValueError(
+            f"{owner}: {what} is a tensor on the meta device, which holds no values (a "
+            "state dict of a model not yet materialised?); load a state dict with data"
+        )
+    if t.is_nested or t.layout != torch.strided:
+        layout = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        raise ValueError(
+            f"{owner}: {what} is a {layout} tensor; fastcast's state is a dense 1-D float32 "
+            "tensor (load the state dict as the model saved it, or a dense copy)"
+        )
 
 
 def _decode_tensor(state: torch.Tensor, owner: str) -> dict[int, ScalingMeta]:
@@ -308,15 +329,18 @@ def _metas(
     for direction, (history, scale, origin) in parts.items():
         name = "forward" if direction == FORWARD else "backward"
         if not checked:
+            for t, what in ((history, "amax_history"), (scale, "scale")):
+                if isinstance(t, torch.Tensor):
+                    _check_readable(t, owner, f"{name} {what}")
+            # The column count first: a state of zero columns has nothing for the value
+            # checks to read (torch's min of an empty tensor is an error of its own).
+            if isinstance(scale, torch.Tensor) and scale.dim() == 1:
+                _check_columns(scale.shape[0], direction, owner)
             try:
                 check_scaling_tensors(history, scale)
             except ValueError as exc:
                 raise ValueError(f"{owner}: {name} {exc}") from None
-        if scale.shape[0] != _COLUMNS[direction]:
-            raise ValueError(
-                f"{owner}: {name} delayed-scaling state has {scale.shape[0]} columns; an "
-                f"fc.Linear keeps {_COLUMNS[direction]}"
-            )
+        _check_columns(scale.shape[0], direction, owner)
         history = history.detach().to("cpu", torch.float32, copy=True)
         metas[direction] = ScalingMeta.holding(
             history, scale.detach().to("cpu", torch.float32, copy=True), origin
@@ -325,6 +349,15 @@ def _metas(
     if len(rows) > 1:
         raise ValueError(f"{owner}: the directions' amax histories differ in length {sorted(rows)}")
     return metas
+
+
+def _check_columns(columns: int, direction: int, owner: str) -> None:
+    if columns != _COLUMNS[direction]:
+        name = "forward" if direction == FORWARD else "backward"
+        raise ValueError(
+            f"{owner}: {name} delayed-scaling state has {columns} columns; an fc.Linear "
+            f"keeps {_COLUMNS[direction]}"
+        )
 
 
 def _is_v1(state: Any) -> bool:
@@ -404,6 +437,9 @@ def is_extra_state_entry(key: str, value: Any) -> bool:
         return True
     return (
         isinstance(value, torch.Tensor)
+        and not value.is_meta  # no values to read the magic from (nor sparse, nested)
+        and not value.is_nested
+        and value.layout == torch.strided
         and value.dtype == torch.float32
         and value.dim() == 1
         and value.numel() >= 2

@@ -5,35 +5,73 @@ was saved. An ``fc.Linear``'s ``_extra_state`` has a size that depends on its st
 16-value stateless header, or header + scales + amax history of a DelayedScaling run with
 some ``amax_history_len``), so a target built differently (converted without
 ``recipe=``, or with another history length) fails with DCP's "Size mismatch" error.
-``LoadPlanner`` replaces each such entry of the target by an empty tensor of the saved
-size before DCP plans its reads; ``load_state_dict`` then decodes, validates and installs
-the saved state (and a later run under another history length refits it)::
+
+``load`` is the whole flow, all or nothing::
 
     import fastcast.dcp
 
     sd = {"model": model.state_dict()}
-    dcp.load(sd, checkpoint_id=path, planner=fastcast.dcp.LoadPlanner())
+    fastcast.dcp.load(sd, checkpoint_id=path)
     model.load_state_dict(sd["model"])
+
+It reads the checkpoint's extra states first and validates them (a NaN scale is refused
+before any weight is read into the model: DCP writes the parameters of
+``model.state_dict()`` in place), compares every other entry's saved size with the
+target's (a mismatch is a ``CheckpointMismatchError``, a ``ValueError`` naming each
+entry), then loads with ``LoadPlanner``. Errors are ordinary exceptions: DCP's own
+``CheckpointException`` derives from ``BaseException``, which ``except Exception``
+misses; ``load`` raises the ``ValueError`` inside it, or a ``CheckpointLoadError``
+(a ``RuntimeError``) for anything else.
+
+``LoadPlanner``, for code that calls ``dcp.load`` itself, replaces each extra-state entry
+of the target whose size differs by an empty tensor of the saved size before DCP plans its
+reads (``load_state_dict`` then decodes, validates and installs the saved state), reads
+the extra states before the other entries of each file, and validates each as it is read.
+(With the default planner no fastcast code runs inside ``dcp.load``: its size mismatch
+is DCP's ``CheckpointException``.)
 
 This module imports ``torch.distributed.checkpoint``; ``import fastcast`` does not.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+import dataclasses
+import os
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner
+import torch.distributed.checkpoint as dist_cp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
-from .checkpoint import is_extra_state_entry
+from .checkpoint import EXTRA_STATE_KEY, decode_extra_state, is_extra_state_entry
 
-__all__ = ["LoadPlanner", "fit_extra_states"]
+__all__ = [
+    "CheckpointLoadError",
+    "CheckpointMismatchError",
+    "LoadPlanner",
+    "fit_extra_states",
+    "load",
+]
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint does not fit the target state dict: entries of other sizes, or
+    entries the checkpoint lacks. Raised before anything is read."""
+
+
+class CheckpointLoadError(RuntimeError):
+    """DCP failed for another reason (its ``CheckpointException`` is the ``__cause__``)."""
 
 
 class LoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` that sizes ``fc.Linear`` extra-state entries as saved."""
+    """``DefaultLoadPlanner`` that sizes ``fc.Linear`` extra-state entries as saved, reads
+    them before the other entries of each checkpoint file, and refuses one that fastcast
+    would refuse to load (a ``ValueError`` naming the entry, inside DCP's
+    ``CheckpointException``) as it is read."""
 
     def set_up_planner(
         self,
@@ -45,32 +83,146 @@ class LoadPlanner(DefaultLoadPlanner):
             fit_extra_states(state_dict, metadata)
         super().set_up_planner(state_dict, metadata, is_coordinator)
 
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        # Storage readers read file by file, each in plan order (FileSystemReader does):
+        # extra states first, so that a refused one stops the load before the weights in
+        # its file are written. (A stable sort: the rest keeps DCP's order.)
+        plan = super().finish_plan(new_plan)
+        items = sorted(plan.items, key=lambda item: not _is_extra_item(item))
+        return dataclasses.replace(plan, items=items)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        fqn = read_item.dest_index.fqn
+        if is_extra_state_entry(fqn, tensor):  # fastcast's (other libraries' left alone)
+            decode_extra_state(tensor, owner=f"checkpoint entry {fqn!r}")
+        super().commit_tensor(read_item, tensor)
+
+
+def _is_extra_item(item: ReadItem) -> bool:
+    """Whether ``item`` is read into an ``_extra_state`` entry (anyone's: only the
+    order of reads depends on it)."""
+    return item.dest_index.fqn.rsplit(".", 1)[-1] == EXTRA_STATE_KEY
+
+
+def _entries(state_dict: MutableMapping[str, Any]) -> Iterator[tuple[Any, str, str, Any]]:
+    """``(mapping, key, fqn, value)`` of every leaf of a nested state dict, keys joined by
+    "." as DCP flattens them."""
+
+    def visit(mapping: MutableMapping[str, Any], prefix: str) -> Iterator[Any]:
+        for key, value in list(mapping.items()):
+            fqn = f"{prefix}{key}"
+            if isinstance(value, MutableMapping):
+                yield from visit(value, f"{fqn}.")
+            else:
+                yield mapping, key, fqn, value
+
+    return visit(state_dict, "")
+
+
+def _saved_extra_size(metadata: Metadata, fqn: str) -> torch.Size | None:
+    """The saved size of the extra state at ``fqn``, if it was saved as fastcast saves
+    one (a 1-D float32 tensor)."""
+    entry = metadata.state_dict_metadata.get(fqn)
+    if (
+        isinstance(entry, TensorStorageMetadata)
+        and entry.properties.dtype == torch.float32
+        and len(entry.size) == 1
+    ):
+        return entry.size
+    return None
+
 
 def fit_extra_states(state_dict: MutableMapping[str, Any], metadata: Metadata) -> list[str]:
     """Replace, in place, every ``fc.Linear`` extra state of ``state_dict`` (nested
     mappings, as DCP flattens them: keys joined by ".") whose saved size differs by an
     empty float32 tensor of the saved size; return the keys replaced. Entries that are not
     fastcast's, or that were saved as anything but a float32 tensor, are left to DCP."""
-    saved = metadata.state_dict_metadata
     replaced = []
-
-    def visit(mapping: MutableMapping[str, Any], prefix: str) -> None:
-        for key, value in list(mapping.items()):
-            fqn = f"{prefix}{key}"
-            if isinstance(value, MutableMapping):
-                visit(value, f"{fqn}.")
-                continue
-            if not is_extra_state_entry(fqn, value):
-                continue
-            entry = saved.get(fqn)
-            if (
-                isinstance(entry, TensorStorageMetadata)
-                and entry.properties.dtype == torch.float32
-                and len(entry.size) == 1
-                and entry.size != value.shape
-            ):
-                mapping[key] = torch.empty(entry.size, dtype=torch.float32)
-                replaced.append(fqn)
-
-    visit(state_dict, "")
+    for mapping, key, fqn, value in _entries(state_dict):
+        if not is_extra_state_entry(fqn, value):
+            continue
+        size = _saved_extra_size(metadata, fqn)
+        if size is not None and size != value.shape:
+            mapping[key] = torch.empty(size, dtype=torch.float32)
+            replaced.append(fqn)
     return replaced
+
+
+def load(
+    state_dict: MutableMapping[str, Any],
+    *,
+    checkpoint_id: str | os.PathLike[str] | None = None,
+    storage_reader: Any = None,
+    process_group: Any = None,
+    no_dist: bool = False,
+) -> None:
+    """``torch.distributed.checkpoint.load`` of ``state_dict`` (in place), all or nothing
+    for the model whose tensors it holds (module docstring): the extra states are read and
+    validated first, the other entries' sizes checked against the checkpoint, and only
+    then is anything written. Refusals are ``ValueError`` (a ``CheckpointMismatchError``
+    for sizes), naming the entries; other DCP failures a ``CheckpointLoadError``.
+
+    ``checkpoint_id``, ``storage_reader``, ``process_group`` and ``no_dist`` are
+    ``dcp.load``'s. Called by every rank, as ``dcp.load`` is.
+    """
+    if storage_reader is None:
+        if checkpoint_id is None:
+            raise ValueError("fastcast.dcp.load: give checkpoint_id or storage_reader")
+        storage_reader = FileSystemReader(checkpoint_id)
+    kwargs = {
+        "checkpoint_id": checkpoint_id,
+        "storage_reader": storage_reader,
+        "process_group": process_group,
+        "no_dist": no_dist,
+    }
+    if checkpoint_id is not None:
+        storage_reader.reset(checkpoint_id)
+    metadata = storage_reader.read_metadata()
+
+    # 1. Sizes: every entry but the extra states (which LoadPlanner fits) as saved.
+    saved = metadata.state_dict_metadata
+    problems = []
+    extra: dict[str, torch.Tensor] = {}
+    for _, _, fqn, value in _entries(state_dict):
+        if is_extra_state_entry(fqn, value):
+            size = _saved_extra_size(metadata, fqn)
+            if size is not None:
+                extra[fqn] = torch.empty(size, dtype=torch.float32)
+                continue
+        entry = saved.get(fqn)
+        if entry is None:
+            problems.append(f"{fqn!r}: not in the checkpoint")
+        elif isinstance(value, torch.Tensor) and isinstance(entry, TensorStorageMetadata):
+            if tuple(entry.size) != tuple(value.shape):
+                problems.append(f"{fqn!r}: saved {tuple(entry.size)}, target {tuple(value.shape)}")
+    if problems:
+        shown = "; ".join(problems[:10])
+        more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+        raise CheckpointMismatchError(
+            f"fastcast.dcp.load: the checkpoint does not fit the state dict ({shown}{more}). "
+            "Build the model with the configuration it was saved with; fc.Linear extra "
+            "states of any size load by themselves (fastcast.dcp.LoadPlanner fits them)."
+        )
+    # 2. The extra states alone, into tensors of their own, validated before anything
+    # of the model is written.
+    if extra:
+        _dcp_load(extra, DefaultLoadPlanner(), kwargs)
+        for fqn, state in extra.items():
+            decode_extra_state(state, owner=f"checkpoint entry {fqn!r}")
+    # 3. Everything.
+    _dcp_load(state_dict, LoadPlanner(), kwargs)
+
+
+def _dcp_load(state_dict: Any, planner: DefaultLoadPlanner, kwargs: dict[str, Any]) -> None:
+    """``dcp.load``, its ``CheckpointException`` (a ``BaseException``) turned into the
+    ``ValueError`` a planner raised inside it, or into a ``CheckpointLoadError``."""
+    try:
+        dist_cp.load(state_dict, planner=planner, **kwargs)
+    except CheckpointException as exc:
+        causes = [failure[0] for failure in exc.failures.values()]
+        refused = [c for c in causes if isinstance(c, ValueError)]
+        if refused:
+            raise refused[0] from exc
+        raise CheckpointLoadError(
+            f"fastcast.dcp.load: DCP failed: {'; '.join(map(str, causes))}"
+        ) from exc

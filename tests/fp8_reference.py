@@ -75,7 +75,9 @@ def to_f32(v: float) -> float:
 def reference_scale(amax: float, fmt: str, power_2: bool = False, eps: float = 0.0) -> float:
     """A quantization scale by its definition, as an FP32 value: ``fmt_max / max(amax,
     eps)`` rounded once to FP32, the FP32 max where the quotient is beyond it, 1.0 for an
-    amax that is 0, NaN or infinite; with ``power_2`` the largest power of two not above."""
+    amax that is 0, NaN or infinite; with ``power_2`` the largest power of two not above,
+    but never so small that ``fmt_max / scale`` is beyond the FP32 max
+    (``power_2_scale_floor``)."""
     if math.isnan(amax) or math.isinf(amax):
         return 1.0
     amax = max(amax, eps)
@@ -85,6 +87,17 @@ def reference_scale(amax: float, fmt: str, power_2: bool = False, eps: float = 0
     scale = FP32_MAX if quotient >= FP32_MAX else to_f32(quotient)
     if power_2:
         scale = 2.0 ** (math.frexp(scale)[1] - 1)  # largest power of two <= scale
+        scale = max(scale, power_2_scale_floor(fmt))
+    return scale
+
+
+def power_2_scale_floor(fmt: str) -> float:
+    """The smallest power of two ``s`` with ``fmt_max / s`` at most the FP32 max: a
+    smaller scale would let the largest codes dequantize to infinity (finite inputs near
+    the FP32 max must stay finite). Searched, in float64, where the division is exact."""
+    scale = 2.0**-149
+    while FMT_MAX[fmt] / scale > FP32_MAX:
+        scale *= 2.0
     return scale
 
 

@@ -19,6 +19,8 @@ import types
 import pytest
 import torch
 from _contexts import isolated
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import fastcast as fc
@@ -443,3 +445,151 @@ def test_opt_in_is_per_thread():
         _load_extra(lin, payload)  # while this one has
     assert "refusing" in results["refused"]
     assert torch.equal(lin._metas[0].scale, torch.tensor([3.0, 5.0]))
+
+
+# -- a refused load changes nothing, however the model was built ------------------------------
+class _Block(nn.Module):
+    """A model class that builds its fc.Linear layers itself (as a library's would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.layers = nn.ModuleList([fc.Linear(16, 16) for _ in range(2)])
+        self.heads = nn.ModuleDict({"out": nn.Sequential(nn.ReLU(), fc.Linear(16, 8))})
+
+    def forward(self, x):
+        x = self.norm(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.heads["out"](x)
+
+
+BUILDS = {
+    "sequential": lambda: nn.Sequential(fc.Linear(16, 24), nn.ReLU(), fc.Linear(24, 8)),
+    "model class": _Block,
+    "nested": lambda: nn.Sequential(nn.Sequential(_Block()), nn.Linear(8, 8)),
+    "converted": lambda: fc.convert(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))),
+}
+
+
+def _built(build, seed):
+    torch.manual_seed(seed)
+    return _train(BUILDS[build](), seed=seed)
+
+
+def _last_extra_key(model):
+    return [k for k in model.state_dict() if k.endswith("_extra_state")][-1]
+
+
+def _snapshot_all(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_bytewise_unchanged(model, before):
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    changed = [
+        k
+        for k in before
+        if not torch.equal(
+            after[k].view(-1).view(torch.uint8), before[k].view(-1).view(torch.uint8)
+        )
+    ]
+    assert changed == []
+
+
+def _nan_scale(state):
+    state = state.clone()
+    state[16] = float("nan")  # the first forward scale
+    return state
+
+
+def _zero_columns(state):
+    """A version 1 state whose forward part has no columns."""
+    return {
+        "format": "fastcast.extra_state",
+        "version": 1,
+        "kind": "delayed_scaling",
+        "forward": {"amax_history": torch.zeros(4, 0), "scale": torch.zeros(0)},
+    }
+
+
+# Each unreadable form names the module's entry and says what is wrong (these were
+# NotImplementedError/RuntimeError from deep in torch).
+UNREADABLE = {
+    "meta": (lambda s: s.to("meta"), "meta device"),
+    "sparse": (lambda s: s.to_sparse(), "sparse_coo tensor"),
+    "nested": (lambda s: torch.nested.nested_tensor([s, s]), "nested tensor"),
+    "zero columns": (_zero_columns, "forward delayed-scaling state has 0 columns"),
+    "nan scale": (_nan_scale, "finite and positive"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("form", list(UNREADABLE))
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_a_refused_extra_state_changes_nothing_however_the_model_was_built(build, form, strict):
+    make, message = UNREADABLE[form]
+    source, target = _built(build, seed=0), _built(build, seed=5)
+    sd = source.state_dict()
+    key = _last_extra_key(target)
+    sd[key] = make(sd[key])
+    before = _snapshot_all(target)
+    with pytest.raises(ValueError, match=message) as refused:
+        target.load_state_dict(sd, strict=strict)
+    assert f"at {key!r}" in str(refused.value)  # names the module's entry
+    _assert_bytewise_unchanged(target, before)
+    # The same model then loads the good state dict (nothing was left half-checked).
+    target.load_state_dict(source.state_dict(), strict=strict)
+    assert _snapshot_all(target).keys() == before.keys()
+    assert all(torch.equal(v, source.state_dict()[k]) for k, v in _snapshot_all(target).items())
+
+
+def test_a_layer_added_to_a_built_model_guards_its_parent():
+    """Registration climbs from the inside out: an fc.Linear assigned into a model already
+    built makes its new parent refuse atomically (fc.convert(model) guards the rest)."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.Sequential(nn.ReLU()))
+    model[1].add_module("1", fc.Linear(16, 8))
+    model[1].add_module("2", fc.Linear(8, 8))
+    _train(model)
+    sd = {k: v + 1 if not k.endswith("_extra_state") else v for k, v in model.state_dict().items()}
+    sd["1.2._extra_state"] = _nan_scale(sd["1.2._extra_state"])
+    before = _snapshot_all(model[1])
+    with pytest.raises(ValueError, match="finite and positive"):
+        model[1].load_state_dict({k.removeprefix("1."): v for k, v in sd.items() if k[:2] == "1."})
+    _assert_bytewise_unchanged(model[1], before)
+    fc.convert(model)  # converts nothing more; guards the root
+    before = _snapshot_all(model)
+    with pytest.raises(ValueError, match="finite and positive"):
+        model.load_state_dict(sd)
+    _assert_bytewise_unchanged(model, before)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    depth=st.integers(1, 3),
+    layers=st.integers(2, 4),
+    bad=st.integers(0, 3),
+    strict=st.booleans(),
+    assign=st.booleans(),
+)
+def test_property_refused_loads_change_nothing(depth, layers, bad, strict, assign):
+    """Models of fc.Linear layers nested ``depth`` containers deep, a bad state in any
+    one layer: the load is refused and every parameter and extra state is as before."""
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(*[fc.Linear(16, 16) for _ in range(layers)])
+        for _ in range(depth - 1):
+            model = nn.Sequential(nn.LayerNorm(16), model)
+        return _train(model, steps=1, seed=seed)
+
+    source, target = build(0), build(3)
+    sd = source.state_dict()
+    key = [k for k in sd if k.endswith("_extra_state")][bad % layers]
+    sd[key] = _nan_scale(sd[key])
+    before = _snapshot_all(target)
+    with pytest.raises(ValueError, match="finite and positive"):
+        target.load_state_dict(sd, strict=strict, assign=assign)
+    _assert_bytewise_unchanged(target, before)

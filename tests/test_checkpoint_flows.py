@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -342,16 +343,32 @@ def test_dcp_into_another_state_layout_is_an_error(saved, loading, worker, tmp_p
     assert _differing(fresh, before) == []
 
 
+def _fastcast_dcp_load(sd, path):
+    import fastcast.dcp
+
+    fastcast.dcp.load(sd, checkpoint_id=path, no_dist=True)
+
+
+def _dcp_load_with_planner(sd, path):
+    import fastcast.dcp
+
+    dcp.load(sd, checkpoint_id=path, planner=fastcast.dcp.LoadPlanner(), no_dist=True)
+
+
+DCP_LOADS = {"fastcast.dcp.load": _fastcast_dcp_load, "LoadPlanner": _dcp_load_with_planner}
+
+
 @pytest.mark.filterwarnings(_DCP_WARNING)
+@pytest.mark.parametrize("how", list(DCP_LOADS))
 @pytest.mark.parametrize(
     ("saved", "loading"),
     [("delayed", None), ("current", "delayed"), ("delayed", "delayed-16")],
     ids=["delayed-into-unprepared", "stateless-into-delayed", "another-history-length"],
 )
-def test_dcp_with_fastcasts_planner_loads_any_state_layout(saved, loading, worker, tmp_path):
-    """``fastcast.dcp.LoadPlanner`` sizes the extra-state entries as saved: the model
-    then holds exactly the saved state, whatever layout it was built with."""
-    import fastcast.dcp
+def test_dcp_with_fastcasts_planner_loads_any_state_layout(saved, loading, how, worker, tmp_path):
+    """``fastcast.dcp.LoadPlanner`` (and ``fastcast.dcp.load``, which uses it) sizes the
+    extra-state entries as saved: the model then holds exactly the saved state, whatever
+    layout it was built with."""
 
     trainer = worker()
     original = _trained(RECIPES[saved](), trainer)
@@ -363,10 +380,74 @@ def test_dcp_with_fastcasts_planner_loads_any_state_layout(saved, loading, worke
     }[loading]
     fresh = _build(target, seed=1)
     sd = {"model": fresh.state_dict()}
-    dcp.load(sd, checkpoint_id=tmp_path, planner=fastcast.dcp.LoadPlanner(), no_dist=True)
+    DCP_LOADS[how](sd, tmp_path)
     _load_strict(fresh, sd["model"])
     assert _differing(fresh, original) == []
     _assert_resumes_like(fresh, original, trainer, RECIPES[saved](), worker)
+
+
+@pytest.mark.filterwarnings(_DCP_WARNING)
+@pytest.mark.parametrize("how", list(DCP_LOADS))
+def test_dcp_refuses_a_bad_scale_before_writing_anything(how, worker, tmp_path):
+    """A NaN scale in the third layer's extra state: DCP writes the parameters of
+    ``model.state_dict()`` in place, so the refusal must come before any read lands in
+    the model (not in ``load_state_dict`` afterwards, with new weights and old scales).
+    ``fastcast.dcp.load`` raises the ValueError itself; with the planner it is inside
+    DCP's CheckpointException. Either way every parameter and extra state is as before,
+    and the model still loads the good checkpoint afterwards."""
+    original = _trained(RECIPES["delayed"](), worker())
+    sd = original.state_dict()
+    key = _extra_keys(sd)[2]
+    bad = dict(sd)
+    bad[key] = sd[key].clone()
+    bad[key][16] = float("nan")  # the first forward scale
+    dcp.save({"model": bad}, checkpoint_id=tmp_path / "bad", no_dist=True)
+    dcp.save({"model": sd}, checkpoint_id=tmp_path / "good", no_dist=True)
+    fresh = _build(RECIPES["delayed"](), seed=1)
+    before = _snapshot(fresh)
+    target = {"model": fresh.state_dict()}
+    if how == "fastcast.dcp.load":
+        with pytest.raises(ValueError, match=rf"'model\.{re.escape(key)}'.*finite and positive"):
+            DCP_LOADS[how](target, tmp_path / "bad")
+    else:
+        with pytest.raises(dcp.api.CheckpointException) as refused:
+            DCP_LOADS[how](target, tmp_path / "bad")
+        ((cause, _),) = refused.value.failures.values()
+        assert isinstance(cause, ValueError) and "finite and positive" in str(cause)
+    assert _differing(fresh, before) == []
+    DCP_LOADS[how](target, tmp_path / "good")
+    _load_strict(fresh, target["model"])
+    assert _differing(fresh, original) == []
+
+
+@pytest.mark.filterwarnings(_DCP_WARNING)
+def test_dcp_size_mismatch_is_a_clear_value_error(worker, tmp_path):
+    """A checkpoint of another model size: ``fastcast.dcp.load`` refuses before reading
+    anything, with a ValueError (``except Exception`` catches it, unlike DCP's
+    CheckpointException) that names each entry, both sizes and the way to load."""
+    import fastcast.dcp
+
+    torch.manual_seed(0)
+    config = _config()
+    config.intermediate_size = 192
+    other = fc.convert(transformers.LlamaForCausalLM(config))
+    dcp.save({"model": other.state_dict()}, checkpoint_id=tmp_path, no_dist=True)
+    fresh = _build(RECIPES["current"](), seed=1)
+    before = _snapshot(fresh)
+    try:
+        fastcast.dcp.load({"model": fresh.state_dict()}, checkpoint_id=tmp_path, no_dist=True)
+    except Exception as exc:  # noqa: BLE001 - the point: an ordinary exception
+        refused = exc
+    else:
+        pytest.fail("the mismatched checkpoint loaded")
+    assert isinstance(refused, fastcast.dcp.CheckpointMismatchError)
+    assert isinstance(refused, ValueError)
+    message = str(refused)
+    assert (
+        "'model.model.layers.0.mlp.gate_proj.weight': saved (192, 64), target (128, 64)" in message
+    )
+    assert "LoadPlanner" in message
+    assert _differing(fresh, before) == []
 
 
 # -- whole-model pickles and copies --------------------------------------------------------------

@@ -34,7 +34,9 @@ pytestmark = pytest.mark.compile
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
+# (3.4e38 and the FP32 max: power-of-two scales and MXFP8's rceil must keep them finite.)
 SPECIALS = (0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 1e-45, -1e-40, 3e38, -3e38)
+SPECIALS += (3.4e38, -torch.finfo(torch.float32).max)
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +101,8 @@ def _sample_blocks(shape, dtype, seed, block, device="cpu"):
     x[-1, -1] = math.inf
     x[0, -1] = -math.nan
     x[-1, 0] = -math.inf if rows * cols > 2 * bk else x[-1, 0]
+    if grid[0] > 2:  # a block near the dtype's max (finite: it must dequantize finite)
+        x[br : 2 * br, :bk] = float(torch.finfo(dtype).max) * 0.999
     return x.reshape(shape).to(dtype=dtype, device=device, copy=True)  # not a view
 
 
@@ -146,6 +150,10 @@ def _quantize_all(quantizer, inputs, dequantize=True, **kwargs):
 def _assert_all_same(got, want):
     for i, ((q, d), (q_ref, d_ref)) in enumerate(zip(got, want, strict=True)):
         _assert_same(q, q_ref, f"input {i}")
+        # Finite inputs stay finite (near the FP32 max too): every dequantized inf here
+        # comes from an input inf, so each is E5M2's (E4M3 makes NaN of it).
+        if d is not None and q.fmt == "e4m3":
+            assert not bool(d.isinf().any()), f"input {i}: a finite value became inf"
         # (A NaN's payload is not a value: the dequantized NaNs may differ in it.)
         _assert_same_tensor(d, d_ref, f"input {i}: dequantized", any_nan=True)
 

@@ -20,6 +20,7 @@ from fp8_reference import (
     assert_codes_equal,
     decode_fp8,
     encode_fp8,
+    power_2_scale_floor,
     to_f32,
 )
 from hypothesis import given, settings
@@ -47,6 +48,8 @@ def ref_scale(amax: float, fmt: str, power_2: bool, eps: float) -> float:
         scale = to_f32(fmt_max / amax)
     if power_2:
         scale = 2.0 ** (math.frexp(scale)[1] - 1)  # largest power of two <= scale
+        # ... but no power of two so small that fmt_max / scale overflows FP32.
+        scale = max(scale, power_2_scale_floor(fmt))
     return scale
 
 
@@ -316,6 +319,38 @@ def test_tiny_amax_scale_is_capped_at_fp32_max():
         assert_codes_equal(q.data, codes, "e4m3")
         assert torch.equal(q.scale_inv, (1.0 / scales).float())
         assert torch.isfinite(q.scale_inv).all() and (q.scale_inv > 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("power_2", [True, False])
+@pytest.mark.parametrize("block_dim", [1, 2])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_values_near_the_fp32_max_stay_finite(fmt, block_dim, power_2, dtype):
+    """Tiles whose amax lies in the top binades of the input dtype (its max included):
+    codes and scales as the reference defines them, and every value dequantizes to a
+    finite one (a power-of-two scale is floored so that fmt_max / scale stays finite),
+    in both layouts."""
+    top = float(torch.finfo(dtype).max)
+    rows = 130 if block_dim == 2 else 6  # (the reference loops over tiles in Python)
+    x = make_input((rows, 260), torch.float64, seed=3)
+    x[0, :128] = top * torch.linspace(-1, 1, 128, dtype=torch.float64)  # the max itself
+    x[1, :128] = top * 0.999  # a constant tile
+    x[2:, 128:256] *= top / x[2:, 128:256].abs().max()  # a (128x128) tile up to top
+    x[-1, 256:] = -top * torch.linspace(0.5, 1, 4, dtype=torch.float64)  # partial tile
+    x = x.to(dtype)
+    assert bool(x.isfinite().all())
+    q = BlockScalingQuantizer(fmt=fmt, block_dim=block_dim, power_2_scales=power_2).quantize(
+        x, columnwise=True
+    )
+    tile_rows = TILE_ROWS[block_dim]
+    for data, scale_inv, m in ((q.data, q.scale_inv, x), (q.data_t, q.scale_inv_t, x.t())):
+        codes, scales = ref_quantize(m, tile_rows, fmt, power_2)
+        assert_codes_equal(data, codes, fmt)
+        assert torch.equal(scale_inv, (1.0 / scales).float())
+    assert_dequantized(q, *ref_quantize(x, tile_rows, fmt, power_2), tile_rows)
+    assert bool(q.dequantize(torch.float32).isfinite().all())
+    assert bool(q.t().dequantize(torch.float32).isfinite().all())
+    assert bool(q.dequantize().isfinite().all())  # in the input's dtype too
 
 
 def test_empty_rows():

@@ -13,7 +13,7 @@ import re
 
 import pytest
 import torch
-from fp8_reference import FMT_MAX, GRIDS, assert_codes_equal, decode_fp8, encode_fp8
+from fp8_reference import FMT_MAX, FP32_MAX, GRIDS, assert_codes_equal, decode_fp8, encode_fp8
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -43,6 +43,10 @@ def ref_exponent(block: list[float], fmt: str, rule: str) -> int:
             x += 1
         while amax / 2.0 ** (x - 1) <= fmt_max:
             x -= 1
+    # No X so large that fmt_max * 2**X overflows FP32: a finite input near the FP32 max
+    # must dequantize to a finite value (rceil meets this bound; ocp never passes it).
+    while FMT_MAX[fmt] * 2.0**x > FP32_MAX:
+        x -= 1
     return max(-127, min(127, x))
 
 
@@ -219,6 +223,34 @@ def test_rceil_boundary_at_fmt_max(fmt):
     assert q.quantize(at).data.float().unique().tolist() == [fmt_max]
     assert int(q.quantize(above).scale_inv) == 127 - 19  # one ulp more needs the next power
     assert q.quantize(above).data[0, 1].float().item() == fmt_max / 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_values_near_the_fp32_max_stay_finite(fmt, rule, dtype):
+    """Blocks whose amax lies in the dtype's top binade: rceil would take X one past
+    127 - emax_elem there, where the largest elements round up to FP8 codes worth 2**128.
+    X stops at 127 - emax_elem (the reference's bound, derived from the FP32 max), the
+    largest elements saturate, and every value dequantizes to a finite one, in both
+    layouts."""
+    top = float(torch.finfo(dtype).max)
+    emax = EMAX_ELEM[fmt]
+    ramp = torch.linspace(-1, 1, 32, dtype=torch.float64)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    x[0, :32] = top * ramp  # the max itself, both signs
+    x[1, :32] = top * 0.999
+    x[2, 32:] = -top * (0.75 + 0.25 * ramp.abs())
+    x[:, 7] = top * torch.linspace(0.5, 1, 32, dtype=torch.float64)  # a column block too
+    x = x.to(dtype)
+    assert bool(x.isfinite().all())
+    q = MXFP8Quantizer(fmt=fmt, scale_rule=rule).quantize(x, columnwise=True)
+    codes, exps = check_layout(q.data, q.scale_inv, x, fmt, rule)
+    check_dequantize(q, codes, exps, 32, 64)
+    check_layout(q.data_t, q.scale_inv_t, x.t(), fmt, rule)
+    assert int(q.scale_inv.max()) == 127 - emax + 127 == int(q.scale_inv_t.max())
+    for deq in (q.dequantize(torch.float32), q.t().dequantize(torch.float32), q.dequantize()):
+        assert bool(deq.isfinite().all())
 
 
 @pytest.mark.parametrize("fmt", FMTS)

@@ -239,6 +239,32 @@ def test_non_finite_zero_and_tiny_rows(fmt, power_2, kernels):
     assert torch.equal(q.scale_inv[4:], clean.scale_inv)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("power_2", [True, False])
+@pytest.mark.parametrize("fmt", FMTS)
+def test_values_near_the_fp32_max_stay_finite(fmt, power_2, dtype, kernels):
+    """Rows and columns whose amax lies in the dtype's top binade (its max included):
+    codes and scales as the reference defines them (a power-of-two scale no smaller than
+    fmt_max / FP32_MAX allows), and every value dequantizes to a finite one."""
+    top = float(torch.finfo(dtype).max)
+    x = sample((24, 40), torch.float64, seed=12)
+    x[0] = top * torch.linspace(-1, 1, 40, dtype=torch.float64)
+    x[1] = -top * 0.999
+    x[:, 3] = top * torch.linspace(0.5, 1, 24, dtype=torch.float64)
+    x = x.to(dtype)
+    assert bool(x.isfinite().all())
+    for quantizer in (
+        RowwiseQuantizer(fmt=fmt, power_2_scales=power_2),
+        RowwiseQuantizer(fmt=fmt, power_2_scales=power_2, columnwise_per_tensor=True),
+    ):
+        q = quantizer.quantize(x, columnwise=True)
+        check_layout(q.data, q.scale_inv, x, fmt, power_2)
+        per_tensor = quantizer.columnwise_per_tensor
+        check_layout(q.data_t, q.scale_inv_t, x.t(), fmt, power_2, per_tensor=per_tensor)
+        for deq in (q.dequantize(torch.float32), q.t().dequantize(torch.float32), q.dequantize()):
+            assert bool(deq.isfinite().all())
+
+
 @pytest.mark.parametrize("shape", [(0, 16), (16, 0), (0, 0), (2, 0, 8)])
 def test_empty_tensors(shape, kernels):
     x = torch.randn(shape)

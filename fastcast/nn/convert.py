@@ -9,7 +9,7 @@ from torch import nn
 
 from ..recipe import Recipe
 from ..schemes import DEFAULT_ALIGNMENT, scheme_for
-from .linear import Linear, validate_extra_states
+from .linear import Linear, guard_loads
 
 logger = logging.getLogger("fastcast")
 
@@ -44,7 +44,7 @@ def convert(
     in place, needs to resume.
     """
     align = DEFAULT_ALIGNMENT if recipe is None else scheme_for(recipe).alignment(recipe)
-    _validate_loads(module)
+    guard_loads(module)
 
     def kept_because(layer: nn.Linear, name: str) -> str | None:
         """Why ``layer`` stays as it is, or None to convert it."""
@@ -132,16 +132,6 @@ def keep_high_precision(
         return id(layer) not in kept and name not in names and not name.startswith(prefixes)
 
     return convert_it
-
-
-def _validate_loads(module: nn.Module) -> None:
-    """Install ``validate_extra_states`` on ``module`` once (an ``fc.Linear`` validates
-    its own state)."""
-    if isinstance(module, Linear):
-        return
-    hooks = module._load_state_dict_pre_hooks.values()
-    if not any(getattr(h, "hook", h) is validate_extra_states for h in hooks):
-        module.register_load_state_dict_pre_hook(validate_extra_states)
 
 
 def _swap(linear: nn.Linear, name: str) -> Linear:

@@ -194,10 +194,10 @@ class Linear(nn.Linear):
             # state leaves the module as it was; nn.Module then hands it to
             # set_extra_state, which takes the decoded metas.
             state = state_dict[key]
-            checked = self.__dict__.get("_fc_checked")
-            if checked is None or checked[0] is not state:
+            checked = self.__dict__.get("_fc_checked")  # by a pre-hook, in this load
+            if checked is None or checked[0] is not state or checked[2] is not missing_keys:
                 metas = decode_extra_state(state, owner=self._where(key))
-                self.__dict__["_fc_checked"] = (state, metas)
+                self.__dict__["_fc_checked"] = (state, metas, missing_keys)
             super()._load_from_state_dict(state_dict, prefix, *args)
             return
         # nn.Linear's checkpoint (or a partial one): not a missing key, even with
@@ -244,22 +244,67 @@ def _follow_weight(metas: dict[int, ScalingMeta], weight: torch.Tensor) -> None:
 
 
 def validate_extra_states(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any = None,
+    strict: bool = True,
+    missing_keys: list[str] | None = None,
+    *_: Any,
 ) -> None:
-    """Load pre-hook (``fc.convert`` installs it on the model): decode every ``fc.Linear``
-    extra state of ``state_dict`` below ``module`` before the first parameter is written,
-    so that one refused state (a later layer's) leaves the whole model as it was."""
+    """Load pre-hook of every module holding an ``fc.Linear`` (``guard_loads`` installs
+    it): decode every ``fc.Linear`` extra state of ``state_dict`` below ``module`` before
+    the first parameter is written, so that one refused state (a later layer's) leaves
+    the whole model as it was. Nested modules each have the hook: a state that an outer
+    module's hook decoded in this same load (``missing_keys`` is the load's own list) is
+    not decoded again."""
     checked = []
     for name, sub in module.named_modules(prefix=prefix.rstrip("."), remove_duplicate=False):
         if isinstance(sub, Linear) and sub is not module:
             key = f"{name}.{EXTRA_STATE_KEY}" if name else EXTRA_STATE_KEY
             if key in state_dict:
                 state = state_dict[key]
+                done = sub.__dict__.get("_fc_checked")
+                if done is not None and done[0] is state and done[2] is missing_keys is not None:
+                    continue
                 checked.append((sub, state, decode_extra_state(state, sub._where(key))))
     # All valid: each module takes its decoded state when the load reaches it (if it is
     # still the same object then), rather than decoding it a second time.
     for sub, state, metas in checked:
-        sub.__dict__["_fc_checked"] = (state, metas)
+        sub.__dict__["_fc_checked"] = (state, metas, missing_keys)
+
+
+def guard_loads(module: nn.Module) -> None:
+    """Give ``module`` the ``validate_extra_states`` load pre-hook, once (an ``fc.Linear``
+    validates its own state: it needs none)."""
+    if not _guards_loads(module):
+        module.register_load_state_dict_pre_hook(validate_extra_states)
+
+
+def _guards_loads(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``fc.Linear`` or has the validating pre-hook (so holds one)."""
+    if isinstance(module, Linear):
+        return True
+    hooks = module._load_state_dict_pre_hooks.values()
+    return any(getattr(h, "hook", h) is validate_extra_states for h in hooks)
+
+
+def _on_registration(parent: nn.Module, name: str, child: nn.Module | None) -> None:
+    """torch's global module-registration hook: a module that takes an ``fc.Linear``, or a
+    module holding one, as a child gets the validating pre-hook. A model is built from
+    the inside out (children first), so the hook climbs to its root as the model is put
+    together: a refused load changes nothing whether the model was built from
+    ``fc.Linear`` directly, converted by ``fc.convert`` (which guards the module it is
+    given), or made by a library (Hugging Face models build their layers in
+    ``__init__``). The one case left to the user: an ``fc.Linear`` assigned into a model
+    already built guards its new parent only; ``fc.convert(model)`` then guards the
+    whole model. Stateless, and it returns None (the child is kept)."""
+    if child is not None and _guards_loads(child):
+        guard_loads(parent)
+
+
+# Installed once, when fc.Linear is defined; torch keeps it for the process.
+torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
 
 
 def plan_for(module: Linear, frame: AutocastFrame, weight: torch.Tensor) -> Plan:

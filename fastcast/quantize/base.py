@@ -141,7 +141,10 @@ def scale_from_amax(
 
     amax 0, NaN or infinite gives ``fallback`` (1.0, or the previous scale for delayed
     scaling); ``epsilon`` floors the amax first; a tiny amax whose scale would overflow
-    FP32 gives the FP32 max. Few tensor operations: this runs for every quantization.
+    FP32 gives the FP32 max. A huge amax gives no less than ``min_scale(fmt_max,
+    power_2)``, so that ``fmt_max`` dequantizes to a finite value: finite inputs stay
+    finite (saturating) however close to the FP32 max they are. Few tensor operations:
+    this runs for every quantization.
     """
     amax = amax.float()
     usable = torch.nan_to_num(amax, nan=0.0, posinf=0.0)
@@ -153,7 +156,27 @@ def scale_from_amax(
     scale = torch.div(target, usable.clamp_min(target / FP32_MAX))
     if power_2:
         scale = round_to_power_of_2(scale)
+    if power_2 or margin:  # else fmt_max / amax is at least fmt_max / FP32_MAX already
+        scale = scale.clamp_min(min_scale(fmt_max, power_2))
     return torch.where(usable > 0, scale, fallback)
+
+
+def min_scale(fmt_max: float, power_2: bool) -> float:
+    """The smallest scale whose format max dequantizes to a finite FP32 value.
+
+    A scale below it makes the largest codes ``fmt_max * (1 / scale)`` overflow to inf
+    (a finite input near the FP32 max, quantized and dequantized, would come back
+    infinite). Without ``power_2`` it is ``fmt_max / FP32_MAX`` rounded to FP32 (for
+    every element format fastcast has, ``fmt_max * (1 / that)`` rounds to at most the
+    FP32 max). With ``power_2``, with ``fmt_max = m * 2**e`` (``0.5 <= m < 1``), it is
+    ``2**(e - 128)``: ``fmt_max * 2**(128 - e) = m * 2**128`` is below the FP32 max,
+    twice that is not. (The power-of-two scale from such an amax is ``2**(e - 129)``:
+    its largest values round to FP8 codes whose dequantized value is ``2**128``.) An
+    amax above ``fmt_max / min_scale`` then saturates to ``fmt_max`` at this scale.
+    """
+    if power_2:
+        return math.ldexp(1.0, math.frexp(fmt_max)[1] - 128)
+    return fmt_max / FP32_MAX
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,11 @@ def shared_exponent(amax: torch.Tensor, fmt: str, rule: str) -> torch.Tensor:
       is ``(m / mf) * 2**(e - ef)`` and ``m / mf`` lies in ``(0.5, 2)``, so X is
       ``e - ef`` plus one exactly when ``m > mf``.
 
-    amax 0 gives -127, an infinite amax 127 (``quantize_blocks`` passes finite amaxes
-    only); the result is clamped to ``[-127, 127]``.
+    amax 0 gives -127. The result is clamped to ``[-127, x_max(fmt)]`` (an infinite amax
+    gives ``x_max``; ``quantize_blocks`` passes finite amaxes only): above ``x_max`` the
+    element max times ``2**X`` would overflow FP32. Only ``rceil`` reaches past it, by
+    one, for an amax above ``fmt_max * 2**x_max`` (``ocp``'s X is at most ``x_max``):
+    there the two rules agree, and the block's largest elements saturate.
     """
     mantissa, exponent = torch.frexp(amax)
     if rule == "ocp":
@@ -47,8 +50,17 @@ def shared_exponent(amax: torch.Tensor, fmt: str, rule: str) -> torch.Tensor:
         fmt_mantissa, fmt_exponent = math.frexp(ELEMENT_MAX[fmt])
         x = exponent - fmt_exponent + (mantissa > fmt_mantissa).to(torch.int32)
     x = torch.where(amax == 0, X_MIN, x)
-    x = torch.where(amax == math.inf, X_MAX, x)
-    return x.clamp_(X_MIN, X_MAX)
+    x = torch.where(amax == math.inf, x_max(fmt), x)
+    return x.clamp_(X_MIN, x_max(fmt))
+
+
+def x_max(fmt: str) -> int:
+    """The largest shared exponent whose blocks dequantize to finite values:
+    ``fmt_max * 2**X`` (``fmt_max < 2**(emax_elem + 1)``) stays below ``2**128`` for
+    ``X <= 127 - emax_elem`` (119 for E4M3, 112 for E5M2). With ``rceil``, an amax above
+    ``fmt_max * 2**x_max`` would get ``x_max + 1``, and its largest values would round to
+    FP8 codes that dequantize to ``2**128``: infinite from a finite input."""
+    return X_MAX - EMAX_ELEM[fmt]
 
 
 def power_of_2(n: torch.Tensor) -> torch.Tensor:
@@ -107,9 +119,11 @@ class MXFP8Quantizer:
     - ``"rceil"`` (cuBLAS / TransformerEngine): ``X = ceil(log2(amax / fmt_max))``, the
       smallest power of two with ``amax / 2**X <= fmt_max``, so nothing saturates.
 
-    Both compute X exactly from the bits of the amax, clamp it to ``[-127, 127]`` and store
-    the byte ``X + 127`` (255, NaN, is never produced). Finite elements beyond the element
-    max saturate to it.
+    Both compute X exactly from the bits of the amax, clamp it to ``[-127, 127 - emax_elem]``
+    and store the byte ``X + 127`` (255, NaN, is never produced). Finite elements beyond
+    the element max saturate to it. The upper bound keeps every code's dequantized value
+    finite; ``rceil`` meets it only for an amax above ``fmt_max * 2**(127 - emax_elem)``
+    (FP32's top binade), where it takes ``ocp``'s X and the largest elements saturate.
 
     Non-finite elements are left out of the amax, so the other elements of their block get
     the X they would get if it were a zero (a block that is all zeros or all NaN gets

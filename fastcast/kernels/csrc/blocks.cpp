@@ -188,7 +188,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& input, int6
 struct MxParams {
   float fmt_max;
   bool ocp;
-  int32_t emax_elem;      // ocp: exponent of the largest normal element value
+  int32_t emax_elem;      // exponent of the largest normal element value (ocp; X's cap)
   float fmt_mantissa;     // rceil: fmt_max = fmt_mantissa * 2**fmt_exponent (frexp)
   int32_t fmt_exponent;
 };
@@ -213,7 +213,9 @@ inline int32_t shared_exponent(float amax, const MxParams& p) {
   const float mant = float_of((126u << 23) | (b & 0x7FFFFFu));
   const int32_t up = mant > p.fmt_mantissa ? 1 : 0;
   const int32_t x = p.ocp ? e - 1 - p.emax_elem : e - p.fmt_exponent + up;
-  return field == 0 ? -127 : std::clamp(x, -127, 127);
+  // At most 127 - emax_elem (mx.py's x_max): fmt_max * 2**X must stay finite. Only rceil
+  // reaches past it, for an amax above fmt_max * 2**x_max.
+  return field == 0 ? -127 : std::clamp(x, -127, 127 - p.emax_elem);
 }
 
 // 2**n as FP32 for n in [-127, 127] (power_of_2 in mx.py): 2**-127 is the subnormal

@@ -93,13 +93,18 @@ inline float power_2_below(float scale) {
 
 // scale_from_amax with margin 0: fmt_max / amax, floored so it stays finite, and 1.0
 // for an amax that is 0, NaN or infinite. Each step rounds to FP32 where torch does.
+// A power-of-two scale is no smaller than min_scale's 2**(e - 128) (fmt_max = m * 2**e,
+// 0.5 <= m < 1): below it, fmt_max / scale overflows FP32, and a finite input near the
+// FP32 max would dequantize to inf. (Without power_2, fmt_max / amax is never below
+// fmt_max / FLT_MAX, which dequantizes fmt_max to a finite value.)
 inline float scale_from_amax(float amax, float fmt_max, bool power_2, double epsilon) {
   const bool finite = std::isfinite(amax);
   float usable = finite ? amax : 0.0f;
   if (epsilon > 0 && finite) usable = std::max(usable, static_cast<float>(epsilon));
   const float floor = static_cast<float>(static_cast<double>(fmt_max) / FLT_MAX);
   float scale = fmt_max / std::max(usable, floor);
-  if (power_2) scale = power_2_below(scale);
+  // min_scale: 2**(e - 1) * 2**-127, exact.
+  if (power_2) scale = std::max(power_2_below(scale), power_2_below(fmt_max) * 0x1p-127f);
   return usable > 0 ? scale : 1.0f;
 }
 
