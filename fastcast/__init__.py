@@ -12,7 +12,8 @@ from .hardware import (
     mxfp8_available,
     nvfp4_available,
 )
-from .nn import Linear, convert, keep_high_precision
+from .gemm_grouped import grouped_mm
+from .nn import GroupedLinear, Linear, convert, keep_high_precision
 from .recipe import (
     CustomRecipe,
     DelayedScaling,
@@ -42,6 +43,7 @@ __all__ = [
     "Float8CurrentScaling",
     "Float8RowwiseScaling",
     "Format",
+    "GroupedLinear",
     "Linear",
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",
@@ -56,6 +58,7 @@ __all__ = [
     "fp8_block_scaling_available",
     "fp8_rowwise_available",
     "get_autocast_recipe",
+    "grouped_mm",
     "is_autocast_enabled",
     "keep_high_precision",
     "mxfp8_available",
