@@ -5,6 +5,7 @@ from ._on_import import register_when_dynamo_imported
 from .autocast import autocast
 from .checkpoint import allow_unsafe_extra_state, read_extra_state, strip_extra_state
 from .gemm import scaled_mm
+from .gemm_grouped import grouped_mm
 from .hardware import (
     fp8_available,
     fp8_block_scaling_available,
@@ -12,7 +13,6 @@ from .hardware import (
     mxfp8_available,
     nvfp4_available,
 )
-from .gemm_grouped import grouped_mm
 from .nn import GroupedLinear, Linear, convert, keep_high_precision
 from .recipe import (
     CustomRecipe,

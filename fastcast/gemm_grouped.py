@@ -231,9 +231,7 @@ def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(c >= 8, -value, value)
 
 
-def _nvfp4(
-    blocks: torch.Tensor, s_enc: torch.Tensor, stochastic: bool
-) -> torch.Tensor:
+def _nvfp4(blocks: torch.Tensor, s_enc: torch.Tensor, stochastic: bool) -> torch.Tensor:
     """NVFP4 of ``blocks`` ``[r, tr, c, 16]`` (FP32) whose FP32 encode scale ``s_enc``
     broadcasts to the block grid ``[r, c]``; returns the dequantized blocks."""
     mag = blocks.abs()
@@ -269,7 +267,9 @@ def quantize_rows(
         pad = -cols % BLOCK_TILE  # a partial block is scaled from its own elements
         mp = torch.nn.functional.pad(m, (0, pad)) if pad else m
         blocks = mp.reshape(rows, -1, BLOCK_TILE)
-        amax = torch.linalg.vector_norm(blocks, ord=math.inf, dim=2, keepdim=True, dtype=torch.float32)
+        amax = torch.linalg.vector_norm(
+            blocks, ord=math.inf, dim=2, keepdim=True, dtype=torch.float32
+        )
         scale = scale_from_amax(amax, ELEMENT_MAX[fmt], power_2=s.power_2)
         out = _fp8(blocks, scale, fmt).reshape(rows, cols + pad)
         return out[:, :cols] if pad else out
@@ -303,7 +303,9 @@ def quantize_columns(
         return _fp8(mp, scale[gid], fmt)
     if family == BLOCKWISE:
         blocks = mp.reshape(rows // BLOCK_TILE, BLOCK_TILE, cols)
-        amax = torch.linalg.vector_norm(blocks, ord=math.inf, dim=1, keepdim=True, dtype=torch.float32)
+        amax = torch.linalg.vector_norm(
+            blocks, ord=math.inf, dim=1, keepdim=True, dtype=torch.float32
+        )
         scale = scale_from_amax(amax, ELEMENT_MAX[fmt], power_2=s.power_2)
         return _fp8(blocks, scale, fmt).reshape(rows, cols)
     if family == MXFP8:
@@ -357,12 +359,27 @@ def _quantize_tiles(w: torch.Tensor, s: GroupedScaling) -> torch.Tensor:
 
 
 # -- the GEMMs --------------------------------------------------------------------------------
+@torch.library.custom_op("fastcast::grouped_mm_fp32", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` as an opaque operator for traced code: its own fake kernel
+    (that of torch 2.13) refuses anything but bf16, though the CPU kernel runs FP32."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@_grouped_mm_op.register_fake
+def _grouped_mm_fake(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 3:  # tokens x experts: [T, N]
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])  # grouped along K: [E, M, N]
+
+
 def _grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     device_type = a.device.type
+    mm = _grouped_mm_op if torch.compiler.is_compiling() else torch._grouped_mm
     if torch.is_autocast_enabled(device_type):  # it would run the product in 16 bits
         with torch.autocast(device_type, enabled=False):
-            return torch._grouped_mm(a, b, offs=offs)
-    return torch._grouped_mm(a, b, offs=offs)
+            return mm(a, b, offs=offs)
+    return mm(a, b, offs=offs)
 
 
 def _hardware(s: GroupedScaling, device_type: str, *fmts: str) -> bool:
@@ -417,7 +434,9 @@ def grouped_dgrad(
     experts = w.shape[0]
     wt_family = TENSORWISE if s.wgrad_high_precision else s.family
     if wt_family == s.family and _hardware(s, g.device.type, s.fmt_grad, s.fmt_weight):
-        return _scaled_2d_3d(g, w.transpose(1, 2), offs, s, gid, ("grad_output", "weight"), out_dtype)
+        return _scaled_2d_3d(
+            g, w.transpose(1, 2), offs, s, gid, ("grad_output", "weight"), out_dtype
+        )
     gq = quantize_rows(g, s, "grad_output", gid, experts)
     wq = quantize_weight(w, s, along_n=True)
     return _grouped_mm_fp32(gq, wq, offs).to(out_dtype)
@@ -503,7 +522,9 @@ def _scaled_2d_2d(
         scales.append(scale.reciprocal().reshape(-1).contiguous())
     a = codes[0].t().contiguous()  # row-major [N, Tp]
     b = codes[1].t().contiguous().t()  # column-major [Tp, K]
-    out = torch._scaled_grouped_mm(a, b, scales[0], scales[1], offs=offs_p, out_dtype=torch.bfloat16)
+    out = torch._scaled_grouped_mm(
+        a, b, scales[0], scales[1], offs=offs_p, out_dtype=torch.bfloat16
+    )
     return out.to(out_dtype)
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastcast as fc
-from fastcast.gemm_grouped import grouped_scaling, pad_groups, group_ids
+from fastcast.gemm_grouped import group_ids, grouped_scaling, pad_groups
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny tensors (see conftest)
@@ -34,9 +34,22 @@ RECIPES = {
 # Operations that read a device value back to the host, or whose output shape depends on
 # data (which needs such a read on a GPU).
 HOST_SYNCS = {
-    "_local_scalar_dense", "item", "nonzero", "nonzero_static", "is_nonzero", "equal",
-    "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "bincount",
-    "repeat_interleave", "tolist", "_assert_async", "allclose",
+    "_local_scalar_dense",
+    "item",
+    "nonzero",
+    "nonzero_static",
+    "is_nonzero",
+    "equal",
+    "masked_select",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_consecutive",
+    "bincount",
+    "repeat_interleave",
+    "tolist",
+    "_assert_async",
+    "allclose",
 }
 
 # Group sizes: an empty expert, counts that are no multiple of 16/32/128.
@@ -81,8 +94,8 @@ def _reference(x, w, g, counts, recipe, block):
         out[rows] = _dq(xe, recipe, "input") @ _dq(w[e], recipe, "weight").T
         w_col = fc.quantize(w[e], recipe, "weight", rowwise=False, columnwise=True)
         dx[rows] = _dq(ge, recipe, "grad_output") @ w_col.dequantize(torch.float32).double()
-        dw[e] = (
-            _dq(ge, recipe, "grad_output", True, block).T @ _dq(xe, recipe, "input", True, block)
+        dw[e] = _dq(ge, recipe, "grad_output", True, block).T @ _dq(
+            xe, recipe, "input", True, block
         )
     return out, dx, dw
 
@@ -152,10 +165,12 @@ def test_grouped_linear_high_precision_outside_autocast_is_bit_exact():
     layer = fc.GroupedLinear(5, 64, 48, bias=True)
     x = torch.randn(sum(COUNTS), 64)
     offs = _offs(COUNTS)
-    want = torch.cat([
-        x[a:b] @ layer.weight[e].T + layer.bias[e]
-        for e, (a, b) in enumerate(zip([0, *offs[:-1].tolist()], offs.tolist()))
-    ])
+    want = torch.cat(
+        [
+            x[a:b] @ layer.weight[e].T + layer.bias[e]
+            for e, (a, b) in enumerate(zip([0, *offs[:-1].tolist()], offs.tolist()))
+        ]
+    )
     with torch.no_grad():
         with fc.autocast(enabled=False):
             off = layer(x, offs)
@@ -174,9 +189,17 @@ def test_grouped_linear_rejects_bad_offsets():
 # -- transformers 5 experts ---------------------------------------------------------------------
 def _qwen3_moe(experts=8):
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        num_experts=experts, num_experts_per_tok=2, decoder_sparse_step=1,
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
     )
     torch.manual_seed(0)
     return transformers.Qwen3MoeForCausalLM(cfg)
@@ -184,8 +207,13 @@ def _qwen3_moe(experts=8):
 
 def _mixtral():
     cfg = transformers.MixtralConfig(
-        vocab_size=128, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
         num_experts_per_tok=2,
     )
     torch.manual_seed(0)
@@ -292,7 +320,10 @@ def test_no_host_sync_in_expert_forward_and_backward():
 
 def _moe_block(seed=0):
     cfg = transformers.Qwen3MoeConfig(
-        hidden_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+        hidden_size=128,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
         norm_topk_prob=True,
     )
     torch.manual_seed(seed)

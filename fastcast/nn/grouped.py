@@ -48,8 +48,11 @@ class GroupedLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        for what, n in (("num_groups", num_groups), ("in_features", in_features),
-                        ("out_features", out_features)):
+        for what, n in (
+            ("num_groups", num_groups),
+            ("in_features", in_features),
+            ("out_features", out_features),
+        ):
             if type(n) is not int or n <= 0:
                 raise ValueError(f"fastcast.GroupedLinear: {what} must be an int > 0, got {n!r}")
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
@@ -135,8 +138,11 @@ def _rebuild(base: type) -> Any:
 @functools.cache
 def converted_class(base: type) -> type:
     """The fastcast subclass of the experts class ``base`` (one per class)."""
-    return type(f"Fastcast{base.__name__}", (_FastcastExperts, base), {"__module__": __name__,
-                                                          "__qualname__": f"Fastcast{base.__name__}"})
+    return type(
+        f"Fastcast{base.__name__}",
+        (_FastcastExperts, base),
+        {"__module__": __name__, "__qualname__": f"Fastcast{base.__name__}"},
+    )
 
 
 def experts_forward(
