@@ -477,22 +477,32 @@ def _scaled_2d_3d(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``torch._scaled_grouped_mm`` of tokens ``a`` ``[T, K]`` and experts ``b``
-    ``[E, N, K]``: per-row (per-token, per-group) scales of a, per (expert, row) scales
-    of b (per expert for per-tensor scaling), bf16 out (the kernel's only output)."""
+    ``[E, N, K]`` (bf16 out, the kernel's only output)."""
+    args = operands_2d_3d(a, b, gid, s, roles)
+    return torch._scaled_grouped_mm(*args, offs=offs, out_dtype=torch.bfloat16).to(out_dtype)
+
+
+def operands_2d_3d(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    gid: torch.Tensor,
+    s: GroupedScaling,
+    roles: tuple[str, str],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(a codes, b codes, a scales, b scales)`` in the layouts the kernel takes:
+    row-major ``[T, K]`` and column-major ``[E, K, N]`` E4M3, per-row scales ``[T]`` (per
+    token, or the token's group's) and ``[E, N]`` (per expert row, or per expert)."""
     experts, n, k = b.shape
     a_codes, a_scale = _row_codes(a, s, roles[0], gid, experts)
     b_gid = torch.arange(experts, device=b.device).repeat_interleave(n)
     b_codes, b_scale = _row_codes(b.reshape(experts * n, k), s, roles[1], b_gid, experts)
     b_codes = b_codes.reshape(experts, n, k).transpose(1, 2)  # column-major [E, K, N]
-    out = torch._scaled_grouped_mm(
+    return (
         a_codes.contiguous(),
         b_codes,
         a_scale.contiguous(),
         b_scale.reshape(experts, n).contiguous(),
-        offs=offs,
-        out_dtype=torch.bfloat16,
     )
-    return out.to(out_dtype)
 
 
 def _scaled_2d_2d(
@@ -505,7 +515,17 @@ def _scaled_2d_2d(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``torch._scaled_grouped_mm`` of ``gp.T`` ``[N, Tp]`` and ``xp`` ``[Tp, K]`` grouped
-    along the tokens: scales per (group, feature) of each, flattened group by group."""
+    along the tokens (bf16 out)."""
+    args = operands_2d_2d(gp, xp, s, gid_p, experts)
+    return torch._scaled_grouped_mm(*args, offs=offs_p, out_dtype=torch.bfloat16).to(out_dtype)
+
+
+def operands_2d_2d(
+    gp: torch.Tensor, xp: torch.Tensor, s: GroupedScaling, gid_p: torch.Tensor, experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weight-gradient operands: row-major ``gp.T`` and column-major ``xp`` codes,
+    scales per (group, feature) of each (the group's one scale for per-tensor scaling),
+    flattened group by group: ``[E * N]`` and ``[E * K]``."""
     codes, scales = [], []
     for m, role in ((gp, "grad_output"), (xp, "input")):
         fmt = s.fmt(role)
@@ -522,10 +542,7 @@ def _scaled_2d_2d(
         scales.append(scale.reciprocal().reshape(-1).contiguous())
     a = codes[0].t().contiguous()  # row-major [N, Tp]
     b = codes[1].t().contiguous().t()  # column-major [Tp, K]
-    out = torch._scaled_grouped_mm(
-        a, b, scales[0], scales[1], offs=offs_p, out_dtype=torch.bfloat16
-    )
-    return out.to(out_dtype)
+    return a, b, scales[0], scales[1]
 
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:

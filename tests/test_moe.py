@@ -387,3 +387,39 @@ def test_compiled_moe_block_has_no_graph_break():
     assert counter.frame_count == 1
     got.sum().backward()
     assert block.experts.gate_up_proj.grad is not None
+
+
+@pytest.mark.parametrize("name", ["current", "rowwise"])
+def test_hardware_operands_pass_the_kernels_checks(name):
+    """The operands fastcast hands ``torch._scaled_grouped_mm`` (sm90/sm100) pass its
+    checks (dtypes, row/column-major layouts, 16-byte strides, scale shapes), run on meta
+    tensors here; and their dequantized product is the emulation's."""
+    from fastcast.gemm_grouped import operands_2d_2d, operands_2d_3d
+
+    s = grouped_scaling(fc.Float8CurrentScaling(fp8_format=fc.Format.E4M3))
+    if name == "rowwise":
+        s = grouped_scaling(fc.Float8RowwiseScaling())
+    counts = [16, 0, 48, 32]
+    offs = _offs(counts)
+    torch.manual_seed(4)
+    x, w, g = torch.randn(96, 64), torch.randn(4, 32, 64), torch.randn(96, 32)
+    gid = group_ids(offs, 96)
+    forward = operands_2d_3d(x, w, gid, s, ("input", "weight"))
+    gp, offs_p, gid_p = pad_groups(g, offs, gid, 16)
+    xp, _, _ = pad_groups(x, offs, gid, 16)
+    wgrad = operands_2d_2d(gp, xp, s, gid_p, 4)
+    for args, o in ((forward, offs), (wgrad, offs_p)):
+        meta = [t.to("meta") for t in args]
+        out = torch.ops.aten._scaled_grouped_mm(*meta, offs=o.to("meta"), out_dtype=torch.bfloat16)
+        assert out.dtype == torch.bfloat16
+    a, b, sa, sb = forward
+    got = torch._grouped_mm(a.float() * sa[:, None], (b.float() * sb[:, None, :]), offs=offs)
+    want = fc.grouped_mm(
+        x,
+        w,
+        offs,
+        fc.Float8RowwiseScaling()
+        if name == "rowwise"
+        else fc.Float8CurrentScaling(fp8_format=fc.Format.E4M3),
+    )
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
