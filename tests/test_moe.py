@@ -423,3 +423,24 @@ def test_hardware_operands_pass_the_kernels_checks(name):
         else fc.Float8CurrentScaling(fp8_format=fc.Format.E4M3),
     )
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_recomputes_experts_in_their_precision(use_reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    model = fc.convert(_qwen3_moe(), recipe=fc.Float8RowwiseScaling())
+    experts, h, index, weights = _routed(model)
+    h.requires_grad_(True)
+    grads = []
+    for checkpointed in (False, True):
+        with fc.autocast(recipe=fc.Float8RowwiseScaling()):
+            if checkpointed:
+                out = checkpoint(experts, h, index, weights, use_reentrant=use_reentrant)
+            else:
+                out = experts(h, index, weights)
+        h.grad = experts.down_proj.grad = None
+        out.square().sum().backward()  # (reentrant checkpointing refuses autograd.grad)
+        grads.append((h.grad, experts.down_proj.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

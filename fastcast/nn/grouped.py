@@ -19,7 +19,8 @@ from torch import nn
 
 from ..gemm_grouped import group_ids, grouped_mm, grouped_scaling
 from ..recipe import Recipe
-from ..state import get_stack
+from ..recompute import checkpoint_region
+from ..state import OUTSIDE, AutocastFrame, get_stack
 
 logger = logging.getLogger("fastcast")
 
@@ -77,7 +78,7 @@ class GroupedLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        frame = get_stack()[0]
+        frame = current_frame(self)
         if frame.enabled:
             out = grouped_mm(x, self.weight, offs, frame.recipe)
         else:
@@ -85,6 +86,23 @@ class GroupedLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias[group_ids(offs, x.shape[0])].to(out.dtype)
         return out
+
+
+def current_frame(module: nn.Module) -> AutocastFrame:
+    """The autocast frame ``module`` runs under: the thread's, or, when activation
+    checkpointing recomputes it, the one its original call ran under (as ``fc.Linear``
+    does: the recomputation usually runs after ``fc.autocast`` has exited)."""
+    frame = get_stack()[0]
+    region = checkpoint_region(frame.active)
+    if region is None:
+        return frame
+    log, recomputing = region
+    if recomputing:
+        entry = log.replay(module)
+        return OUTSIDE if entry is None else entry[0]
+    if frame.active:
+        log.record(module, frame)
+    return frame
 
 
 # -- transformers 5 experts ---------------------------------------------------------------------
@@ -118,7 +136,7 @@ class _FastcastExperts:
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        frame = get_stack()[0]
+        frame = current_frame(self)
         if not frame.enabled or getattr(self, "_is_expert_parallel", False):
             # (Expert parallelism's sentinel routing stays with transformers' implementations.)
             return super().forward(hidden_states, top_k_index, top_k_weights)  # type: ignore[misc]
