@@ -220,6 +220,31 @@ def _mixtral():
     return transformers.MixtralForCausalLM(cfg)
 
 
+def _deepseek_v3():
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=1,
+        first_k_dense_replace=0,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=32,
+        n_shared_experts=1,
+    )
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(cfg)
+
+
 def _routed(model, tokens=48):
     """The experts module of the model's first block and a routing for ``tokens`` tokens."""
     experts = model.model.layers[0].mlp.experts
@@ -230,7 +255,7 @@ def _routed(model, tokens=48):
     return experts, h, index, weights
 
 
-@pytest.mark.parametrize("build", [_qwen3_moe, _mixtral])
+@pytest.mark.parametrize("build", [_qwen3_moe, _mixtral, _deepseek_v3])
 def test_convert_experts_quantizes_inside_and_is_exact_outside(build):
     model = build()
     plain = copy.deepcopy(model)
