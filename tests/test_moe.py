@@ -11,6 +11,8 @@ import pickle
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -121,20 +123,25 @@ def test_grouped_gemm_matches_float64_reference(name):
     assert torch.all(dw[1] == 0)  # the expert without tokens gets no gradient
 
 
-@pytest.mark.parametrize("block", [16, 32, 128])
-def test_padding_of_groups_is_on_device_and_keeps_each_group(block):
-    counts = [0, 17, 33, 0, 130]
+@settings(max_examples=40, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 140), min_size=1, max_size=6),
+    block=st.sampled_from([1, 16, 32, 128]),
+)
+def test_padding_of_groups_keeps_each_group_in_whole_blocks(counts, block):
     m = torch.arange(sum(counts) * 2, dtype=torch.float32).reshape(-1, 2) + 1
     offs = _offs(counts)
     padded, ends, gid = pad_groups(m, offs, group_ids(offs, m.shape[0]), block)
     starts = torch.cat([torch.zeros(1, dtype=torch.int32), ends[:-1]])
     assert torch.all(starts % block == 0)
+    assert padded.shape[0] % block == 0
     at = 0
     for e, n in enumerate(counts):
-        s = int(starts[e])
+        s, end = int(starts[e]), int(ends[e])
+        assert end - s == -(-n // block) * block  # the group, rounded up to the block
         assert torch.equal(padded[s : s + n], m[at : at + n])
-        assert torch.all(padded[s + n : int(ends[e])] == 0)
-        assert torch.all(gid[s : int(ends[e])] == e)
+        assert torch.all(padded[s + n : end] == 0)
+        assert torch.all(gid[s:end] == e)
         at += n
     assert padded.abs().sum() == m.abs().sum()  # nothing else is in the buffer
 
