@@ -5,6 +5,7 @@ from ._on_import import register_when_dynamo_imported
 from .autocast import autocast
 from .checkpoint import allow_unsafe_extra_state, read_extra_state, strip_extra_state
 from .gemm import scaled_mm
+from .gemm_grouped import grouped_mm
 from .hardware import (
     fp8_available,
     fp8_block_scaling_available,
@@ -12,7 +13,7 @@ from .hardware import (
     mxfp8_available,
     nvfp4_available,
 )
-from .nn import Linear, convert, keep_high_precision
+from .nn import GroupedLinear, Linear, convert, keep_high_precision
 from .recipe import (
     CustomRecipe,
     DelayedScaling,
@@ -42,6 +43,7 @@ __all__ = [
     "Float8CurrentScaling",
     "Float8RowwiseScaling",
     "Format",
+    "GroupedLinear",
     "Linear",
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",
@@ -56,6 +58,7 @@ __all__ = [
     "fp8_block_scaling_available",
     "fp8_rowwise_available",
     "get_autocast_recipe",
+    "grouped_mm",
     "is_autocast_enabled",
     "keep_high_precision",
     "mxfp8_available",

@@ -178,3 +178,38 @@ def mxfp8_available() -> tuple[bool, str]:
 def nvfp4_available() -> tuple[bool, str]:
     """NVFP4 (16-element E2M1 blocks): ``(available, reason)``."""
     return _available(NVFP4)
+
+
+# CUDA compute capabilities on which torch._scaled_grouped_mm has kernels (sm90, sm100);
+# the grouped GEMM drives it for these families, with E4M3 operands.
+_GROUPED_CAPABILITIES = ((9, 0), (10, 0))
+_GROUPED_KERNEL_FAMILIES = (TENSORWISE, ROWWISE)
+
+
+@functools.cache
+def _grouped_backend(device_type: str, family: str, mode: str) -> tuple[str | None, str]:
+    if mode == "emulate":
+        return "emulate", "emulated (FASTCAST_GEMM=emulate)"
+    cap = cuda_capability() if device_type == "cuda" else None
+    kernel = (
+        cap in _GROUPED_CAPABILITIES
+        and family in _GROUPED_KERNEL_FAMILIES
+        and hasattr(torch, "_scaled_grouped_mm")
+    )
+    if kernel:
+        return "hardware", f"torch._scaled_grouped_mm on {_describe(device_type)}"
+    if mode == "hardware":
+        return None, (
+            f"{family} scaling has no torch._scaled_grouped_mm kernel on "
+            f"{_describe(device_type)} and FASTCAST_GEMM=hardware forbids emulation"
+        )
+    return "emulate", f"emulated on {device_type} (quantize, dequantize, torch._grouped_mm)"
+
+
+def grouped_gemm_backend(device_type: str, family: str) -> tuple[str | None, str]:
+    """``(backend, reason)`` of the grouped (mixture-of-experts) GEMM, as ``gemm_backend``
+    for the dense one: ``hardware`` is ``torch._scaled_grouped_mm``."""
+    return _grouped_backend(device_type, family, gemm_mode())
+
+
+on_refresh(_grouped_backend.cache_clear)

@@ -9,6 +9,7 @@ from torch import nn
 
 from ..recipe import Recipe
 from ..schemes import DEFAULT_ALIGNMENT, scheme_for
+from .grouped import convert_experts
 from .linear import Linear, guard_loads
 
 logger = logging.getLogger("fastcast")
@@ -24,7 +25,9 @@ def convert(
     recipe: Recipe | None = None,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` below ``module`` by an ``fc.Linear`` sharing its
-    parameters (not copies), and return ``module``.
+    parameters (not copies), and return ``module``. Mixture-of-experts experts modules of
+    transformers 5 (``nn.grouped.convert_experts``) run fastcast's grouped GEMMs from then
+    on, with their parameters and state-dict keys unchanged.
 
     ``module_filter_fn(linear, fully_qualified_name)`` returning False keeps a layer.
     Layers whose features are not multiples of the recipe's block (32 for MXFP8, 16
@@ -94,6 +97,8 @@ def convert(
                 swapped[id(child)] = _swap(child, full)
                 setattr(parent, child_name, swapped[id(child)])
     report.log()
+    # Mixture-of-experts: transformers 5 experts modules (3-D expert parameters).
+    convert_experts(module, module_filter_fn, recipe)
     if recipe is not None:
         for layer in module.modules():
             if isinstance(layer, Linear):
