@@ -435,3 +435,115 @@ SECTIONS = {
     "ddp": section_ddp,
     "fsdp2": section_fsdp2,
 }
+
+
+# -- section: tensor parallelism (parallelize_module) --------------------------------------
+
+# Every recipe, as the tensor-parallel tests name them. Sizes: the hidden layer (256) splits
+# into shards of 128 on two ranks, a multiple of every recipe's block along it.
+TP_RECIPES = {
+    "delayed": lambda: fc.DelayedScaling(amax_history_len=4),
+    "current": lambda: fc.Float8CurrentScaling(),
+    "rowwise": lambda: fc.Float8RowwiseScaling(),
+    "rowwise_gw_hp": lambda: fc.Float8RowwiseScaling(wgrad_high_precision=True),
+    "block": lambda: fc.Float8BlockScaling(),
+    "mxfp8": lambda: fc.MXFP8BlockScaling(),
+    "nvfp4": lambda: fc.NVFP4BlockScaling(stochastic_rounding=False),
+}
+TP_IN, TP_HIDDEN, TP_TOKENS, TP_STEPS = 128, 256, 64, 3
+
+
+def make_tp_mlp(hidden: int = TP_HIDDEN) -> nn.Sequential:
+    torch.manual_seed(4321)
+    return fc.convert(nn.Sequential(nn.Linear(TP_IN, hidden), nn.ReLU(), nn.Linear(hidden, TP_IN)))
+
+
+def tp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same ``[2, 32, 128]`` batch on every rank (tensor parallelism replicates it)."""
+    g = torch.Generator().manual_seed(500 + step)
+    x = torch.randn(2, TP_TOKENS // 2, TP_IN, generator=g)
+    return x, torch.randn(2, TP_TOKENS // 2, TP_IN, generator=g)
+
+
+def _tp(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.tensor.parallel import (  # noqa: PLC0415
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def tp_training(recipe_name: str, parallel: bool, group: Any) -> dict[str, Any]:
+    """3 SGD steps of the MLP, tensor parallel or not: losses, first-step gradients, the
+    first layer's output before training and the parameters after."""
+    model = make_tp_mlp()
+    if parallel:
+        model = _tp(model)
+    recipe = TP_RECIPES[recipe_name]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x0 = tp_batch(0)[0]
+    with fc.autocast(recipe=recipe, amax_reduction_group=group), torch.no_grad():
+        first_layer = _full(model[0](x0))
+    losses, grads = [], {}
+    for step in range(TP_STEPS):
+        x, y = tp_batch(step)
+        with fc.autocast(recipe=recipe, amax_reduction_group=group):
+            out = model(x)
+        loss = (out - y).square().mean()
+        loss.backward()
+        if step == 0:
+            grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    res = {
+        "losses": torch.stack(losses),
+        "grads": grads,
+        "first_layer": first_layer,
+        "params": {n: _full(p) for n, p in model.named_parameters()},
+    }
+    if recipe_name == "delayed":
+        res["states"] = layer_states(model)
+    return res
+
+
+def _tp_errors() -> dict[str, str]:
+    """What a user gets for a tensor-parallel setup fastcast refuses."""
+    x = tp_batch(0)[0]
+    out = {}
+    cases = {
+        "delayed_without_group": (make_tp_mlp(), fc.DelayedScaling()),
+        "block_misaligned": (make_tp_mlp(hidden=192), fc.Float8BlockScaling()),
+    }
+    for name, (model, recipe) in cases.items():
+        model = _tp(model)
+        try:
+            with fc.autocast(recipe=recipe):
+                model(x)
+            out[name] = ""
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def section_tp(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for i, name in enumerate(TP_RECIPES):
+        out[name] = isolated(tp_training, name, True, dist.group.WORLD)
+        if i % world == rank:  # the single-process references, shared out over the ranks
+            out[f"{name}.reference"] = isolated(tp_training, name, False, None)
+    # Current scaling without a group: the layer reduces over the tensor-parallel group.
+    out["current.no_group"] = isolated(tp_training, "current", True, None)
+    out["errors"] = isolated(_tp_errors)
+    return out
+
+
+SECTIONS["tp"] = section_tp
