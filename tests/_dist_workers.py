@@ -45,6 +45,7 @@ def entry(section: str, rank: int, world: int, init_file: str, out_dir: str) -> 
             world_size=world,
             timeout=PG_TIMEOUT,
         )
+        os.environ["FASTCAST_TEST_OUT"] = out_dir  # a directory the ranks share
         result = SECTIONS[section](rank, world)
         torch.save(result, os.path.join(out_dir, f"{section}_rank{rank}.pt"))
         dist.barrier()
@@ -546,4 +547,59 @@ def section_tp(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def section_tp_dcp(rank: int, world: int) -> dict[str, Any]:
+    return {name: isolated(_tp_dcp, name, rank) for name in ("delayed", "current", "mxfp8")}
+
+
+def _tp_dcp(recipe_name: str, rank: int) -> dict[str, Any]:
+    """Train the tensor-parallel MLP 2 steps, save it with DCP on both ranks; load it into
+    a fresh tensor-parallel model (both ranks) and, resharded, into one unsharded model
+    on rank 0 (no process group): forwards, parameters and delayed states afterwards."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+    import fastcast.dcp  # noqa: PLC0415
+
+    path = os.path.join(os.environ["FASTCAST_TEST_OUT"], f"dcp_{recipe_name}")
+    recipe = TP_RECIPES[recipe_name]()
+    group = dist.group.WORLD
+    model = _tp(make_tp_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = tp_batch(step)
+        with fc.autocast(recipe=recipe, amax_reduction_group=group):
+            (model(x) - y).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    x = tp_batch(7)[0]
+
+    def forward(m: nn.Module, g: Any) -> torch.Tensor:
+        with fc.autocast(recipe=recipe, amax_reduction_group=g), torch.no_grad():
+            return _full(m(x))
+
+    # Saved before the forward: a delayed-scaling forward updates the histories it saves.
+    dcp.save({"model": model.state_dict()}, checkpoint_id=path)
+    out: dict[str, Any] = {"saved_params": {n: _full(p) for n, p in model.named_parameters()}}
+    out["saved_states"] = layer_states(model) if recipe_name == "delayed" else []
+    out["saved"] = forward(model, group)
+    # Back into a fresh tensor-parallel model (converted without a recipe: the extra
+    # states are the stateless header until loaded; fastcast.dcp.LoadPlanner sizes them).
+    fresh = _tp(make_tp_mlp())
+    sd = {"model": fresh.state_dict()}
+    dcp.load(sd, checkpoint_id=path, planner=fastcast.dcp.LoadPlanner())
+    fresh.load_state_dict(sd["model"])
+    out["tp_loaded"] = forward(fresh, group)
+    dist.barrier()
+    if rank == 0:  # resharded: one process, plain tensors
+        single = make_tp_mlp()
+        sd = {"model": single.state_dict()}
+        dcp.load(sd, checkpoint_id=path, planner=fastcast.dcp.LoadPlanner(), no_dist=True)
+        single.load_state_dict(sd["model"])
+        out["single_params"] = {n: _full(p) for n, p in single.named_parameters()}
+        out["single_states"] = layer_states(single) if recipe_name == "delayed" else []
+        out["single"] = forward(single, None)
+    dist.barrier()
+    return out
+
+
 SECTIONS["tp"] = section_tp
+SECTIONS["tp_dcp"] = section_tp_dcp

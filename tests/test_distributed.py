@@ -349,3 +349,27 @@ def test_tensor_parallel_refusals(tp):
     assert "fc.Linear '0'" in errors["delayed_without_group"]
     msg = errors["block_misaligned"]
     assert "blocks of 128" in msg and "96 output features" in msg
+
+
+# -- 5. DCP: a tensor-parallel model saved on two ranks, loaded on two and on one ---------------
+
+
+@pytest.fixture(scope="module")
+def tp_dcp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn("tp_dcp", tmp_path_factory.mktemp("tp_dcp"))
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current", "mxfp8"])
+def test_tensor_parallel_dcp_resharded(tp_dcp, recipe):
+    """Saved after 2 steps: a fresh tensor-parallel model loaded from it gives the same
+    forward bit for bit; one process (no process group) loads the sharded weights whole,
+    with the delayed-scaling histories and scales, and gives the same forward within the
+    row-parallel layer's FP32 rounding (one GEMM instead of two partial ones)."""
+    for result in tp_dcp:
+        r = result[recipe]
+        assert torch.equal(r["tp_loaded"], r["saved"])
+    r = tp_dcp[0][recipe]
+    for name, p in r["saved_params"].items():
+        assert torch.equal(r["single_params"][name], p), name
+    assert_states_equal(r["single_states"], r["saved_states"]) if recipe == "delayed" else None
+    torch.testing.assert_close(r["single"], r["saved"], rtol=1e-5, atol=1e-6)
