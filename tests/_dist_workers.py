@@ -535,6 +535,56 @@ def _tp_errors() -> dict[str, str]:
     return out
 
 
+LLAMA_RECIPES = ("delayed", "current", "mxfp8")
+
+
+def llama_training(recipe_name: str, parallel: bool, group: Any) -> dict[str, Any]:
+    """A one-layer Hugging Face Llama built from a config, attention and MLP projections
+    split Megatron-style (q/k/v, gate/up colwise; o, down rowwise), 3 SGD steps."""
+    import transformers  # noqa: PLC0415
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(77)
+    model = fc.convert(transformers.LlamaForCausalLM(config))
+    if parallel:
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+        from torch.distributed.tensor.parallel import (  # noqa: PLC0415
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        col, row = ColwiseParallel(), RowwiseParallel()
+        plan = {f"self_attn.{p}_proj": col for p in "qkv"} | {"self_attn.o_proj": row}
+        plan |= {"mlp.gate_proj": col, "mlp.up_proj": col, "mlp.down_proj": row}
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh, plan)
+    recipe = TP_RECIPES[recipe_name]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(TP_STEPS):
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+        with fc.autocast(recipe=recipe, amax_reduction_group=group):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return {
+        "losses": torch.stack(losses),
+        "params": {n: _full(p) for n, p in model.named_parameters()},
+    }
+
+
 def section_tp(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for i, name in enumerate(TP_RECIPES):
@@ -544,6 +594,10 @@ def section_tp(rank: int, world: int) -> dict[str, Any]:
     # Current scaling without a group: the layer reduces over the tensor-parallel group.
     out["current.no_group"] = isolated(tp_training, "current", True, None)
     out["errors"] = isolated(_tp_errors)
+    for i, name in enumerate(LLAMA_RECIPES):
+        out[f"llama.{name}"] = isolated(llama_training, name, True, dist.group.WORLD)
+        if i % world == rank:
+            out[f"llama.{name}.reference"] = isolated(llama_training, name, False, None)
     return out
 
 
