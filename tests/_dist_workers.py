@@ -585,6 +585,48 @@ def llama_training(recipe_name: str, parallel: bool, group: Any) -> dict[str, An
     }
 
 
+def sequence_parallel_training(recipe_name: str, rank: int, world: int) -> dict[str, Any]:
+    """The MLP with sequence parallelism: each rank holds half the sequence; the colwise
+    layer all-gathers it (``input_layouts=Shard(1)``), the rowwise one hands back the
+    rank's half (``output_layouts=Shard(1)``). Loss: each rank's rows over the global
+    count, so the sum over ranks is the single process's mean."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.tensor import Shard  # noqa: PLC0415
+    from torch.distributed.tensor.parallel import (  # noqa: PLC0415
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = parallelize_module(
+        make_tp_mlp(),
+        mesh,
+        {
+            "0": ColwiseParallel(input_layouts=Shard(1)),
+            "2": RowwiseParallel(output_layouts=Shard(1)),
+        },
+    )
+    recipe = TP_RECIPES[recipe_name]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    seq = TP_TOKENS // 2 // world
+    for step in range(TP_STEPS):
+        x, y = tp_batch(step)
+        rows = slice(rank * seq, (rank + 1) * seq)
+        with fc.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+            out = model(x[:, rows])
+        loss = (out - y[:, rows]).square().sum() / y.numel()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return {
+        "losses": torch.stack(losses),
+        "params": {n: _full(p) for n, p in model.named_parameters()},
+    }
+
+
 def section_tp(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for i, name in enumerate(TP_RECIPES):
@@ -594,6 +636,8 @@ def section_tp(rank: int, world: int) -> dict[str, Any]:
     # Current scaling without a group: the layer reduces over the tensor-parallel group.
     out["current.no_group"] = isolated(tp_training, "current", True, None)
     out["errors"] = isolated(_tp_errors)
+    for name in ("current", "mxfp8"):
+        out[f"sp.{name}"] = isolated(sequence_parallel_training, name, rank, world)
     for i, name in enumerate(LLAMA_RECIPES):
         out[f"llama.{name}"] = isolated(llama_training, name, True, dist.group.WORLD)
         if i % world == rank:
