@@ -449,6 +449,8 @@ TP_RECIPES = {
     "rowwise_gw_hp": lambda: fc.Float8RowwiseScaling(wgrad_high_precision=True),
     "block": lambda: fc.Float8BlockScaling(),
     "mxfp8": lambda: fc.MXFP8BlockScaling(),
+    # Stochastic rounding off: its random draws are each shard's own (the Hadamard
+    # transform stays on: it runs along the tokens, which are not split).
     "nvfp4": lambda: fc.NVFP4BlockScaling(stochastic_rounding=False),
 }
 TP_IN, TP_HIDDEN, TP_TOKENS, TP_STEPS = 128, 256, 64, 3
@@ -535,7 +537,7 @@ def _tp_errors() -> dict[str, str]:
     return out
 
 
-LLAMA_RECIPES = ("delayed", "current", "mxfp8")
+LLAMA_RECIPES = ("delayed", "current", "mxfp8", "nvfp4")
 
 
 def llama_training(recipe_name: str, parallel: bool, group: Any) -> dict[str, Any]:

@@ -38,7 +38,7 @@ the (replicated) bias added after it, once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,16 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..nn.function import LinearFunction, forward_gemm
-from ..quantize.base import as_matrix, check_input, scale_and_cast, tensor_amax, transposed_codes
+from ..quantize import hadamard, nvfp4
+from ..quantize.base import (
+    as_matrix,
+    check_input,
+    scale_and_cast,
+    scale_from_amax,
+    tensor_amax,
+    transposed_codes,
+)
+from ..quantize.nvfp4 import BLOCK, NVFP4Quantizer
 from ..quantize.rowwise import PER_ROW, RowwiseQuantizer, row_amax
 from ..recipe import (
     DelayedScaling,
@@ -58,7 +67,7 @@ from ..recipe import (
 )
 from ..schemes import Plan, scheme_for
 from ..state import AutocastFrame
-from ..tensor import Float8Tensor
+from ..tensor import Float8Tensor, NVFP4Tensor
 from .amax import all_reduce_max
 
 COLWISE = "colwise"  # weight Shard(0): output features split
@@ -227,6 +236,12 @@ def _build_plan(module: Any, frame: AutocastFrame, style: str, mesh: Any, w: tor
             ShardedRowwiseQuantizer(scheme.quantizer(recipe, role), tp_group, *reduce[role])
             for role in _ROLES
         )
+    elif isinstance(recipe, NVFP4BlockScaling):
+        sharded = _NVFP4_SHARDED[style]
+        quantizers = tuple(
+            ShardedNVFP4Quantizer(q, tp_group) if role in sharded else q
+            for role, q in zip(_ROLES, scheme.quantizers(recipe, frame.group))
+        )
     else:
         quantizers = scheme.quantizers(recipe, frame.group)
     return Plan(recipe, frame.group, quantizers, row_alignment, hp_wgrad)
@@ -242,6 +257,10 @@ _ROWWISE_REDUCTIONS = {
     # y = x[:, k-shard] @ W[:, k-shard].T (summed); forward contracts over k (sharded).
     ROWWISE: {"input": (True, False), "weight": (True, False), "grad_output": (False, False)},
 }
+
+
+# NVFP4: the roles whose tensor is split across the group (their tensor scales reduced).
+_NVFP4_SHARDED = {COLWISE: ("weight", "grad_output"), ROWWISE: ("input", "weight")}
 
 
 def _check_contains(group: Any, tp_group: Any) -> None:
@@ -333,3 +352,104 @@ class ShardedRowwiseQuantizer:
             all_reduce_max(amax, self.group)
         scale = self.base._scale(amax)
         return scale_and_cast(m, scale, self.base.fmt), scale.reciprocal()
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedNVFP4Quantizer:
+    """``NVFP4Quantizer`` over a shard of a tensor split across ``group``: the FP32
+    tensor scale of each layout (and of the Hadamard-transformed column-wise layout)
+    comes from the amax of the whole tensor, max-reduced over ``group``; the 16-element
+    blocks (and 16x16 tiles) are local, as the shards are multiples of 16. The codes and
+    scales are then those ``NVFP4Quantizer`` gives the whole tensor (stochastic rounding
+    aside: its random draws are the shard's own). Runs ``nvfp4.quantize_reference``'s
+    steps, whose fused operator computes the tensor scale inside."""
+
+    base: NVFP4Quantizer
+    group: Any
+
+    fmt: ClassVar[str] = "e2m1"
+
+    def quantize(
+        self,
+        x: torch.Tensor,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> NVFP4Tensor:
+        check_input(x)
+        base = self.base
+        matrix = as_matrix(x)
+        rows, cols = matrix.shape
+        if cols % BLOCK or ((base.block_2d or columnwise) and rows % BLOCK):
+            return base.quantize(x, rowwise=rowwise, columnwise=columnwise, generator=generator)
+        if base.rht is None or not columnwise:
+            return self._quantize(x, matrix, rowwise, columnwise, generator)
+        # As NVFP4Quantizer._quantize_transformed: two quantizations, each its own scale.
+        row = self._quantize(x, matrix, True, False, generator) if rowwise else None
+        transformed = hadamard.transform_columns(matrix, base.rht)
+        col = self._quantize(transformed, transformed, False, True, generator)
+        return NVFP4Tensor(
+            fmt=self.fmt,
+            shape=x.shape,
+            dtype=x.dtype,
+            data=None if row is None else row.data,
+            scale_inv=None if row is None else row.scale_inv,
+            block=col.block,
+            data_t=col.data_t,
+            scale_inv_t=col.scale_inv_t,
+            block_t=col.block_t,
+            global_scale_inv=col.global_scale_inv if row is None else row.global_scale_inv,
+            global_scale_inv_t=col.global_scale_inv,
+            rht_t=base.rht,
+        )
+
+    def _quantize(
+        self,
+        x: torch.Tensor,
+        matrix: torch.Tensor,
+        rowwise: bool,
+        columnwise: bool,
+        generator: torch.Generator | None,
+    ) -> NVFP4Tensor:
+        base = self.base
+        matrix = matrix.float()
+        rows, cols = matrix.shape
+        stochastic = base.stochastic_rounding
+        rand = rand_t = None
+        if stochastic:
+            rand, rand_t = nvfp4._draws(
+                x, rows, cols, base.block_2d, rowwise, columnwise, generator
+            )
+        # The whole tensor's amax of finite magnitudes (nvfp4._global_encode_scale's).
+        amax = torch.nan_to_num(matrix.abs(), nan=0.0, posinf=0.0).amax()
+        all_reduce_max(amax, self.group)
+        s_enc = scale_from_amax(amax, nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)
+        tile_rows = BLOCK if base.block_2d else 1
+        data = scale_inv = data_t = scale_inv_t = None
+        if rowwise or base.block_2d:
+            blocks, mag, block_amax = nvfp4._tiles(matrix, tile_rows)
+            codes, scales = nvfp4._encode(blocks, mag, block_amax, s_enc, rand)
+            codes = codes.reshape(rows, cols)
+            if rowwise:
+                data, scale_inv = nvfp4._pack(codes), scales
+        if columnwise:
+            if base.block_2d:
+                data_t, scale_inv_t = nvfp4._pack(codes.t()), scales.t().contiguous()
+            else:
+                blocks, mag, block_amax = nvfp4._tiles(matrix.t(), 1)
+                codes_t, scale_inv_t = nvfp4._encode(blocks, mag, block_amax, s_enc, rand_t)
+                data_t = nvfp4._pack(codes_t.reshape(cols, rows))
+        block = (tile_rows, BLOCK)
+        return NVFP4Tensor(
+            fmt=self.fmt,
+            shape=x.shape,
+            dtype=x.dtype,
+            data=data.reshape(*x.shape[:-1], cols // 2) if rowwise else None,
+            scale_inv=scale_inv,
+            block=block,
+            data_t=data_t,
+            scale_inv_t=scale_inv_t,
+            block_t=block,
+            global_scale_inv=s_enc.reciprocal(),
+        )
