@@ -24,9 +24,8 @@ rank quantizes its shard exactly as one process quantizes the whole tensor:
 - block scales (``Float8BlockScaling`` 128, ``MXFP8BlockScaling`` 32,
   ``NVFP4BlockScaling`` 16) are local when every shard boundary falls on a block
   boundary, which is required (a ``ValueError`` names the sizes otherwise);
-  ``NVFP4BlockScaling``'s FP32 tensor scale is the shard's own (not reduced): each
-  shard is encoded under the scale of its own amax, which is not what one process does
-  (see docs/distributed.md);
+  ``NVFP4BlockScaling``'s FP32 tensor scales of the sharded operands are max-reduced
+  over the tensor-parallel group (``ShardedNVFP4Quantizer``);
 - ``CustomRecipe``: its quantizers see the local shards as they are.
 
 ``ColwiseParallel`` (weight ``Shard(0)``): input replicated, output ``Shard(-1)``; the
