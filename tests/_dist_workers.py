@@ -45,6 +45,7 @@ def entry(section: str, rank: int, world: int, init_file: str, out_dir: str) -> 
             world_size=world,
             timeout=PG_TIMEOUT,
         )
+        os.environ["FASTCAST_TEST_OUT"] = out_dir  # a directory the ranks share
         result = SECTIONS[section](rank, world)
         torch.save(result, os.path.join(out_dir, f"{section}_rank{rank}.pt"))
         dist.barrier()
@@ -435,3 +436,270 @@ SECTIONS = {
     "ddp": section_ddp,
     "fsdp2": section_fsdp2,
 }
+
+
+# -- section: tensor parallelism (parallelize_module) --------------------------------------
+
+# Every recipe, as the tensor-parallel tests name them. Sizes: the hidden layer (256) splits
+# into shards of 128 on two ranks, a multiple of every recipe's block along it.
+TP_RECIPES = {
+    "delayed": lambda: fc.DelayedScaling(amax_history_len=4),
+    "current": lambda: fc.Float8CurrentScaling(),
+    "rowwise": lambda: fc.Float8RowwiseScaling(),
+    "rowwise_gw_hp": lambda: fc.Float8RowwiseScaling(wgrad_high_precision=True),
+    "block": lambda: fc.Float8BlockScaling(),
+    "mxfp8": lambda: fc.MXFP8BlockScaling(),
+    # Stochastic rounding off: its random draws are each shard's own (the Hadamard
+    # transform stays on: it runs along the tokens, which are not split).
+    "nvfp4": lambda: fc.NVFP4BlockScaling(stochastic_rounding=False),
+}
+TP_IN, TP_HIDDEN, TP_TOKENS, TP_STEPS = 128, 256, 64, 3
+
+
+def make_tp_mlp(hidden: int = TP_HIDDEN) -> nn.Sequential:
+    torch.manual_seed(4321)
+    return fc.convert(nn.Sequential(nn.Linear(TP_IN, hidden), nn.ReLU(), nn.Linear(hidden, TP_IN)))
+
+
+def tp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same ``[2, 32, 128]`` batch on every rank (tensor parallelism replicates it)."""
+    g = torch.Generator().manual_seed(500 + step)
+    x = torch.randn(2, TP_TOKENS // 2, TP_IN, generator=g)
+    return x, torch.randn(2, TP_TOKENS // 2, TP_IN, generator=g)
+
+
+def _tp(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.tensor.parallel import (  # noqa: PLC0415
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def tp_training(recipe_name: str, parallel: bool, group: Any) -> dict[str, Any]:
+    """3 SGD steps of the MLP, tensor parallel or not: losses, first-step gradients, the
+    first layer's output before training and the parameters after."""
+    model = make_tp_mlp()
+    if parallel:
+        model = _tp(model)
+    recipe = TP_RECIPES[recipe_name]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x0 = tp_batch(0)[0]
+    with fc.autocast(recipe=recipe, amax_reduction_group=group), torch.no_grad():
+        first_layer = _full(model[0](x0))
+    losses, grads = [], {}
+    for step in range(TP_STEPS):
+        x, y = tp_batch(step)
+        with fc.autocast(recipe=recipe, amax_reduction_group=group):
+            out = model(x)
+        loss = (out - y).square().mean()
+        loss.backward()
+        if step == 0:
+            grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    res = {
+        "losses": torch.stack(losses),
+        "grads": grads,
+        "first_layer": first_layer,
+        "params": {n: _full(p) for n, p in model.named_parameters()},
+    }
+    if recipe_name == "delayed":
+        res["states"] = layer_states(model)
+    return res
+
+
+def _tp_errors() -> dict[str, str]:
+    """What a user gets for a tensor-parallel setup fastcast refuses."""
+    x = tp_batch(0)[0]
+    out = {}
+    cases = {
+        "delayed_without_group": (make_tp_mlp(), fc.DelayedScaling()),
+        "block_misaligned": (make_tp_mlp(hidden=192), fc.Float8BlockScaling()),
+    }
+    for name, (model, recipe) in cases.items():
+        model = _tp(model)
+        try:
+            with fc.autocast(recipe=recipe):
+                model(x)
+            out[name] = ""
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+LLAMA_RECIPES = ("delayed", "current", "mxfp8", "nvfp4")
+
+
+def llama_training(recipe_name: str, parallel: bool, group: Any) -> dict[str, Any]:
+    """A one-layer Hugging Face Llama built from a config, attention and MLP projections
+    split Megatron-style (q/k/v, gate/up colwise; o, down rowwise), 3 SGD steps."""
+    import transformers  # noqa: PLC0415
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(77)
+    model = fc.convert(transformers.LlamaForCausalLM(config))
+    if parallel:
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+        from torch.distributed.tensor.parallel import (  # noqa: PLC0415
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        col, row = ColwiseParallel(), RowwiseParallel()
+        plan = {f"self_attn.{p}_proj": col for p in "qkv"} | {"self_attn.o_proj": row}
+        plan |= {"mlp.gate_proj": col, "mlp.up_proj": col, "mlp.down_proj": row}
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh, plan)
+    recipe = TP_RECIPES[recipe_name]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(TP_STEPS):
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+        with fc.autocast(recipe=recipe, amax_reduction_group=group):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return {
+        "losses": torch.stack(losses),
+        "params": {n: _full(p) for n, p in model.named_parameters()},
+    }
+
+
+def sequence_parallel_training(recipe_name: str, rank: int, world: int) -> dict[str, Any]:
+    """The MLP with sequence parallelism: each rank holds half the sequence; the colwise
+    layer all-gathers it (``input_layouts=Shard(1)``), the rowwise one hands back the
+    rank's half (``output_layouts=Shard(1)``). Loss: each rank's rows over the global
+    count, so the sum over ranks is the single process's mean."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.tensor import Shard  # noqa: PLC0415
+    from torch.distributed.tensor.parallel import (  # noqa: PLC0415
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = parallelize_module(
+        make_tp_mlp(),
+        mesh,
+        {
+            "0": ColwiseParallel(input_layouts=Shard(1)),
+            "2": RowwiseParallel(output_layouts=Shard(1)),
+        },
+    )
+    recipe = TP_RECIPES[recipe_name]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    seq = TP_TOKENS // 2 // world
+    for step in range(TP_STEPS):
+        x, y = tp_batch(step)
+        rows = slice(rank * seq, (rank + 1) * seq)
+        with fc.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+            out = model(x[:, rows])
+        loss = (out - y[:, rows]).square().sum() / y.numel()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return {
+        "losses": torch.stack(losses),
+        "params": {n: _full(p) for n, p in model.named_parameters()},
+    }
+
+
+def section_tp(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for i, name in enumerate(TP_RECIPES):
+        out[name] = isolated(tp_training, name, True, dist.group.WORLD)
+        if i % world == rank:  # the single-process references, shared out over the ranks
+            out[f"{name}.reference"] = isolated(tp_training, name, False, None)
+    # Current scaling without a group: the layer reduces over the tensor-parallel group.
+    out["current.no_group"] = isolated(tp_training, "current", True, None)
+    out["errors"] = isolated(_tp_errors)
+    for name in ("current", "mxfp8"):
+        out[f"sp.{name}"] = isolated(sequence_parallel_training, name, rank, world)
+    for i, name in enumerate(LLAMA_RECIPES):
+        out[f"llama.{name}"] = isolated(llama_training, name, True, dist.group.WORLD)
+        if i % world == rank:
+            out[f"llama.{name}.reference"] = isolated(llama_training, name, False, None)
+    return out
+
+
+def section_tp_dcp(rank: int, world: int) -> dict[str, Any]:
+    return {name: isolated(_tp_dcp, name, rank) for name in ("delayed", "current", "mxfp8")}
+
+
+def _tp_dcp(recipe_name: str, rank: int) -> dict[str, Any]:
+    """Train the tensor-parallel MLP 2 steps, save it with DCP on both ranks; load it into
+    a fresh tensor-parallel model (both ranks) and, resharded, into one unsharded model
+    on rank 0 (no process group): forwards, parameters and delayed states afterwards."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+    import fastcast.dcp  # noqa: PLC0415
+
+    path = os.path.join(os.environ["FASTCAST_TEST_OUT"], f"dcp_{recipe_name}")
+    recipe = TP_RECIPES[recipe_name]()
+    group = dist.group.WORLD
+    model = _tp(make_tp_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = tp_batch(step)
+        with fc.autocast(recipe=recipe, amax_reduction_group=group):
+            (model(x) - y).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    x = tp_batch(7)[0]
+
+    def forward(m: nn.Module, g: Any) -> torch.Tensor:
+        with fc.autocast(recipe=recipe, amax_reduction_group=g), torch.no_grad():
+            return _full(m(x))
+
+    # Saved before the forward: a delayed-scaling forward updates the histories it saves.
+    dcp.save({"model": model.state_dict()}, checkpoint_id=path)
+    out: dict[str, Any] = {"saved_params": {n: _full(p) for n, p in model.named_parameters()}}
+    out["saved_states"] = layer_states(model) if recipe_name == "delayed" else []
+    out["saved"] = forward(model, group)
+    # Back into a fresh tensor-parallel model (converted without a recipe: the extra
+    # states are the stateless header until loaded; fastcast.dcp.LoadPlanner sizes them).
+    fresh = _tp(make_tp_mlp())
+    sd = {"model": fresh.state_dict()}
+    dcp.load(sd, checkpoint_id=path, planner=fastcast.dcp.LoadPlanner())
+    fresh.load_state_dict(sd["model"])
+    out["tp_loaded"] = forward(fresh, group)
+    dist.barrier()
+    if rank == 0:  # resharded: one process, plain tensors
+        single = make_tp_mlp()
+        sd = {"model": single.state_dict()}
+        dcp.load(sd, checkpoint_id=path, planner=fastcast.dcp.LoadPlanner(), no_dist=True)
+        single.load_state_dict(sd["model"])
+        out["single_params"] = {n: _full(p) for n, p in single.named_parameters()}
+        out["single_states"] = layer_states(single) if recipe_name == "delayed" else []
+        out["single"] = forward(single, None)
+    dist.barrier()
+    return out
+
+
+SECTIONS["tp"] = section_tp
+SECTIONS["tp_dcp"] = section_tp_dcp

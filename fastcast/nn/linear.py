@@ -15,6 +15,7 @@ from ..checkpoint import (
     legacy_pickled_state,
 )
 from ..delayed import ScalingMeta
+from ..distributed import is_dtensor, tensor_parallel_forward
 from ..profiling import annotate
 from ..quantize.base import check_input
 from ..recipe import Recipe
@@ -102,6 +103,11 @@ class Linear(nn.Linear):
                 _check_dtypes(x, weight, bias)
             if x.numel() == 0:  # nothing to quantize (an MoE expert without tokens, say)
                 return F.linear(x, weight, bias)
+            if weight.__class__ is not nn.Parameter and is_dtensor(weight):
+                # Tensor parallel (parallelize_module): GEMMs on the local shards.
+                return tensor_parallel_forward(
+                    self, x, weight, bias, frame, is_first_microbatch, replay, record
+                )
             plan = plan_for(self, frame, weight)
             autograd = torch.is_grad_enabled() and (
                 x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)

@@ -1,0 +1,454 @@
+"""Tensor parallelism: ``fc.Linear`` with a weight sharded by ``parallelize_module``.
+
+``parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})``
+turns an ``fc.Linear``'s weight (and bias) into DTensors on a 1-D mesh. Inside an enabled
+``fc.autocast`` such a layer runs here (``fc.Linear.forward`` hands it over): the GEMMs
+take the *local* shards, quantized by the recipe's own quantizers, and the layer returns
+DTensors with the placements the parallel styles expect, so their input and output
+redistributions, and DTensor's autograd, do all the communication of activations and
+gradients. Outside autocast the layer is ``F.linear`` on DTensors, as for ``nn.Linear``.
+
+A scale that spans the sharded dimension must come from the whole tensor, so that every
+rank quantizes its shard exactly as one process quantizes the whole tensor:
+
+- per-tensor scales (``Float8CurrentScaling``): the weight's amax is max-reduced over the
+  tensor-parallel group, input and gradient amaxes over the autocast's
+  ``amax_reduction_group`` (the tensor-parallel group when none is given);
+- ``DelayedScaling``: the amax histories are reduced by the autocast's
+  ``amax_reduction_group``, which must then be given and contain the tensor-parallel
+  group (the data-parallel x tensor-parallel world, say);
+- ``Float8RowwiseScaling``: the row amaxes of the layouts whose rows run along the
+  sharded dimension (``ColwiseParallel``: the gradient per token and the weight per input
+  feature; ``RowwiseParallel``: the input per token and the weight per output feature)
+  are max-reduced over the tensor-parallel group, one small all-reduce per layout;
+- block scales (``Float8BlockScaling`` 128, ``MXFP8BlockScaling`` 32,
+  ``NVFP4BlockScaling`` 16) are local when every shard boundary falls on a block
+  boundary, which is required (a ``ValueError`` names the sizes otherwise);
+  ``NVFP4BlockScaling``'s FP32 tensor scales of the sharded operands are max-reduced
+  over the tensor-parallel group (``ShardedNVFP4Quantizer``);
+- ``CustomRecipe``: its quantizers see the local shards as they are.
+
+``ColwiseParallel`` (weight ``Shard(0)``): input replicated, output ``Shard(-1)``; the
+input gradient is a partial sum that DTensor reduces. ``RowwiseParallel`` (weight
+``Shard(1)``): input ``Shard(-1)``, the partial products are summed by an all-reduce and
+the (replicated) bias added after it, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from ..nn.function import LinearFunction, forward_gemm
+from ..quantize import hadamard, nvfp4
+from ..quantize.base import (
+    as_matrix,
+    check_input,
+    scale_and_cast,
+    scale_from_amax,
+    tensor_amax,
+    transposed_codes,
+)
+from ..quantize.nvfp4 import BLOCK, NVFP4Quantizer
+from ..quantize.rowwise import PER_ROW, RowwiseQuantizer, row_amax
+from ..recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Float8RowwiseScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
+from ..schemes import Plan, scheme_for
+from ..state import AutocastFrame
+from ..tensor import Float8Tensor, NVFP4Tensor
+from .amax import all_reduce_max
+
+COLWISE = "colwise"  # weight Shard(0): output features split
+ROWWISE = "rowwise"  # weight Shard(1): input features (the contraction) split
+
+__all__ = ["COLWISE", "ROWWISE", "ShardedRowwiseQuantizer", "linear_forward", "style_of"]
+
+
+def style_of(weight: DTensor) -> str:
+    """``COLWISE`` or ``ROWWISE`` from the weight's placement; clear errors otherwise."""
+    mesh = weight.device_mesh
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"tensor parallel fc.Linear needs its weight on a 1-D mesh, got a {mesh.ndim}-D "
+            "one; for FSDP2 x TP, parallelize over the TP sub-mesh and fully_shard over the "
+            "data-parallel one"
+        )
+    placement = weight.placements[0]
+    if isinstance(placement, Shard) and placement.dim in (0, -2):
+        return COLWISE
+    if isinstance(placement, Shard) and placement.dim in (1, -1):
+        return ROWWISE
+    raise NotImplementedError(
+        f"tensor parallel fc.Linear supports weights sharded as ColwiseParallel (Shard(0)) "
+        f"or RowwiseParallel (Shard(1)) place them, got {placement}"
+    )
+
+
+def linear_forward(
+    module: Any,
+    x: torch.Tensor,
+    weight: DTensor,
+    bias: torch.Tensor | None,
+    frame: AutocastFrame,
+    first: bool | None,
+    replay: Any = None,
+    record: Any = None,
+) -> torch.Tensor:
+    """``module``'s quantized forward with a DTensor ``weight`` (see the module docstring).
+
+    Errors are raised without the layer's name: ``fc.Linear.forward`` puts it in front."""
+    style = style_of(weight)
+    mesh = weight.device_mesh
+    replicate = [Replicate()]
+    if style == COLWISE:
+        if not isinstance(x, DTensor):  # a plain tensor is taken as the replicated input
+            x = DTensor.from_local(x, mesh, replicate, run_check=False)
+        elif tuple(x.placements) != (Replicate(),):  # e.g. sequence-sharded: all-gather
+            x = x.redistribute(mesh, replicate)
+        # Each rank's input gradient is its shard's contribution: a partial sum.
+        x_local = x.to_local(grad_placements=[Partial()])
+    else:
+        shard = [Shard(x.dim() - 1)]
+        if not isinstance(x, DTensor):  # a plain tensor is taken as the local shard
+            x = DTensor.from_local(x, mesh, shard, run_check=False)
+        elif tuple(x.placements) != tuple(shard):
+            x = x.redistribute(mesh, shard)
+        x_local = x.to_local()
+    w_local = weight.to_local()
+    b_local = None
+    if bias is not None and style == COLWISE:
+        b_local = bias.to_local() if isinstance(bias, DTensor) else bias
+    out = _local_linear(
+        module, x_local, w_local, b_local, frame, style, mesh, first, replay, record
+    )
+    if style == COLWISE:
+        return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
+    # Partial products over the contraction shards: one all-reduce, then the bias, once.
+    total = DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(
+        mesh, replicate
+    )
+    if bias is None:
+        return total
+    if not isinstance(bias, DTensor):
+        bias = DTensor.from_local(bias, mesh, replicate, run_check=False)
+    return total + bias.to(total.dtype)
+
+
+def _local_linear(
+    module: Any,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    frame: AutocastFrame,
+    style: str,
+    mesh: Any,
+    first: bool | None,
+    replay: Any,
+    record: Any,
+) -> torch.Tensor:
+    """The quantized linear of local tensors under the tensor-parallel plan."""
+    if x.numel() == 0:
+        return F.linear(x, w, b)
+    plan = _plan(module, frame, style, mesh, w)
+    autograd = torch.is_grad_enabled() and (
+        x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
+    )
+    call = plan.call(autograd, replay, record)
+    cache = module._weight_cache
+    if not autograd:
+        return forward_gemm(x, w, b, call, cache, first, False, False)[0]
+    rows = x.numel() // x.shape[-1]
+    align = plan.row_alignment
+    if rows % align and w.requires_grad:  # as fc.Linear pads: zero rows, sliced off
+        x2d = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % align))
+        out = LinearFunction.apply(x2d, w, b, call, cache, first)[:rows]
+        return out.view(*x.shape[:-1], out.shape[-1])
+    return LinearFunction.apply(x, w, b, call, cache, first)
+
+
+# -- plans ---------------------------------------------------------------------------------
+
+# The block along each GEMM dim of the block-scaled recipes: shards must be multiples.
+_BLOCKS = {Float8BlockScaling: 128, MXFP8BlockScaling: 32, NVFP4BlockScaling: 16}
+
+
+def _plan(module: Any, frame: AutocastFrame, style: str, mesh: Any, w: torch.Tensor) -> Plan:
+    """The module's tensor-parallel plan for ``frame``, kept until the frame's recipe or
+    group, or the style or mesh, changes (identity tests, as ``fc.Linear``'s own plan)."""
+    cached = module.__dict__.get("_fc_tp_plan")
+    if (
+        cached is not None
+        and cached[0] is frame.recipe
+        and cached[1] is frame.group
+        and cached[2] == style
+        and cached[3] is mesh
+    ):
+        return cached[4]
+    plan = _build_plan(module, frame, style, mesh, w)
+    module.__dict__["_fc_tp_plan"] = (frame.recipe, frame.group, style, mesh, plan)
+    return plan
+
+
+def _build_plan(module: Any, frame: AutocastFrame, style: str, mesh: Any, w: torch.Tensor) -> Plan:
+    recipe = frame.recipe
+    scheme = scheme_for(recipe)
+    tp_group = mesh.get_group()
+    if frame.group is not None:
+        _check_contains(frame.group, tp_group)
+    if isinstance(recipe, DelayedScaling):
+        if frame.group is None:
+            raise ValueError(
+                "DelayedScaling on a tensor-parallel layer needs "
+                "fc.autocast(amax_reduction_group=...) containing the tensor-parallel group, "
+                "so that every shard's amax reaches the one history all ranks scale from"
+            )
+        return scheme.plan(frame, module._metas, w.device)
+    block = next((b for t, b in _BLOCKS.items() if isinstance(recipe, t)), None)
+    if block is not None:
+        _check_blocks(w, style, block, recipe)
+    row_alignment = scheme.row_alignment(recipe)
+    hp_wgrad = scheme.wgrad_high_precision(recipe)
+    if isinstance(recipe, Float8CurrentScaling):
+        # Input and gradient: over the autocast's group (or the TP group); the weight
+        # shards of one tensor: over the TP group (the data-parallel replicas are equal).
+        group = frame.group if frame.group is not None else tp_group
+        quantizers = tuple(scheme.quantizer(recipe, role, group) for role in _ROLES)
+        quantizers = (
+            quantizers[0],
+            dataclasses.replace(quantizers[1], amax_reduction_group=tp_group),
+            quantizers[2],
+        )
+    elif isinstance(recipe, Float8RowwiseScaling):
+        reduce = _ROWWISE_REDUCTIONS[style]
+        quantizers = tuple(
+            ShardedRowwiseQuantizer(scheme.quantizer(recipe, role), tp_group, *reduce[role])
+            for role in _ROLES
+        )
+    elif isinstance(recipe, NVFP4BlockScaling):
+        sharded = _NVFP4_SHARDED[style]
+        quantizers = tuple(
+            ShardedNVFP4Quantizer(q, tp_group) if role in sharded else q
+            for role, q in zip(_ROLES, scheme.quantizers(recipe, frame.group))
+        )
+    else:
+        quantizers = scheme.quantizers(recipe, frame.group)
+    return Plan(recipe, frame.group, quantizers, row_alignment, hp_wgrad)
+
+
+_ROLES = ("input", "weight", "grad_output")
+
+# Row-wise recipe: (reduce the row-wise layout's row amaxes, reduce the column-wise
+# layout's) per role, by style: reduced where that layout's rows run along the sharded dim.
+_ROWWISE_REDUCTIONS = {
+    # y[:, n-shard] = x @ W[n-shard].T; dgrad contracts over n (sharded), wgrad over tokens.
+    COLWISE: {"input": (False, False), "weight": (False, True), "grad_output": (True, False)},
+    # y = x[:, k-shard] @ W[:, k-shard].T (summed); forward contracts over k (sharded).
+    ROWWISE: {"input": (True, False), "weight": (True, False), "grad_output": (False, False)},
+}
+
+
+# NVFP4: the roles whose tensor is split across the group (their tensor scales reduced).
+_NVFP4_SHARDED = {COLWISE: ("weight", "grad_output"), ROWWISE: ("input", "weight")}
+
+
+def _check_contains(group: Any, tp_group: Any) -> None:
+    if not isinstance(group, dist.ProcessGroup):
+        return
+    ranks = set(dist.get_process_group_ranks(group))
+    tp_ranks = dist.get_process_group_ranks(tp_group)
+    if not ranks.issuperset(tp_ranks):
+        raise ValueError(
+            f"the autocast's amax_reduction_group (ranks {sorted(ranks)}) does not "
+            f"contain the layer's tensor-parallel group (ranks {tp_ranks})"
+        )
+
+
+def _check_blocks(w: torch.Tensor, style: str, block: int, recipe: Any) -> None:
+    """Every shard boundary on a block boundary: the local blocks are then the blocks of
+    the whole tensor, and block scales need no communication."""
+    local = w.shape[0] if style == COLWISE else w.shape[1]
+    if local % block:
+        what = "output features" if style == COLWISE else "input features"
+        raise ValueError(
+            f"tensor parallel: {type(recipe).__name__} scales blocks of {block} elements along the "
+            f"tensor-parallel dimension, but this rank's shard has {local} {what}; choose "
+            f"sizes whose shards are multiples of {block} (so that shard boundaries fall on "
+            "block boundaries)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedRowwiseQuantizer:
+    """``RowwiseQuantizer`` over a shard of a tensor split along a dim its rows span.
+
+    ``reduce_rows``: the row-wise layout's rows (along K, the last dim) are split across
+    ``group``, so each row's amax is max-reduced over it before the scale is made;
+    ``reduce_columns`` likewise for the column-wise layout (rows of ``x.T``). The scales,
+    and so the codes, are those the whole tensor gets from ``RowwiseQuantizer``.
+    """
+
+    base: RowwiseQuantizer
+    group: Any
+    reduce_rows: bool
+    reduce_columns: bool
+
+    @property
+    def fmt(self) -> str:
+        return self.base.fmt
+
+    def quantize(
+        self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
+    ) -> Float8Tensor:
+        if not (self.reduce_rows and rowwise) and not (self.reduce_columns and columnwise):
+            return self.base.quantize(x, rowwise=rowwise, columnwise=columnwise)
+        check_input(x)
+        m = as_matrix(x)
+        base = self.base
+        data = scale_inv = data_t = scale_inv_t = None
+        if rowwise:
+            data, scale_inv = self._quantize(m, 1, self.reduce_rows)
+            data = data.reshape(x.shape)
+        if columnwise:
+            if base.columnwise_per_tensor:
+                amax = tensor_amax(m)
+                if self.reduce_columns:
+                    all_reduce_max(amax, self.group)
+                scale_t = base._scale(amax).expand(1, m.shape[1])
+                codes, scale_inv_t = scale_and_cast(m, scale_t, base.fmt), scale_t.reciprocal()
+            else:
+                codes, scale_inv_t = self._quantize(m, 0, self.reduce_columns)
+            data_t = transposed_codes(codes)
+            scale_inv_t = scale_inv_t.reshape(-1, 1).contiguous()
+        return Float8Tensor(
+            fmt=base.fmt,
+            shape=x.shape,
+            dtype=x.dtype,
+            data=data,
+            scale_inv=scale_inv,
+            block=PER_ROW,
+            data_t=data_t,
+            scale_inv_t=scale_inv_t,
+            block_t=PER_ROW,
+        )
+
+    def _quantize(
+        self, m: torch.Tensor, dim: int, reduce: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes in ``m``'s layout and scale_inv, one scale per slice along ``dim``."""
+        amax = row_amax(m, dim)
+        if reduce:
+            all_reduce_max(amax, self.group)
+        scale = self.base._scale(amax)
+        return scale_and_cast(m, scale, self.base.fmt), scale.reciprocal()
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedNVFP4Quantizer:
+    """``NVFP4Quantizer`` over a shard of a tensor split across ``group``: the FP32
+    tensor scale of each layout (and of the Hadamard-transformed column-wise layout)
+    comes from the amax of the whole tensor, max-reduced over ``group``; the 16-element
+    blocks (and 16x16 tiles) are local, as the shards are multiples of 16. The codes and
+    scales are then those ``NVFP4Quantizer`` gives the whole tensor (stochastic rounding
+    aside: its random draws are the shard's own). Runs ``nvfp4.quantize_reference``'s
+    steps, whose fused operator computes the tensor scale inside."""
+
+    base: NVFP4Quantizer
+    group: Any
+
+    fmt: ClassVar[str] = "e2m1"
+
+    def quantize(
+        self,
+        x: torch.Tensor,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> NVFP4Tensor:
+        check_input(x)
+        base = self.base
+        matrix = as_matrix(x)
+        rows, cols = matrix.shape
+        if cols % BLOCK or ((base.block_2d or columnwise) and rows % BLOCK):
+            return base.quantize(x, rowwise=rowwise, columnwise=columnwise, generator=generator)
+        if base.rht is None or not columnwise:
+            return self._quantize(x, matrix, rowwise, columnwise, generator)
+        # As NVFP4Quantizer._quantize_transformed: two quantizations, each its own scale.
+        row = self._quantize(x, matrix, True, False, generator) if rowwise else None
+        transformed = hadamard.transform_columns(matrix, base.rht)
+        col = self._quantize(transformed, transformed, False, True, generator)
+        return NVFP4Tensor(
+            fmt=self.fmt,
+            shape=x.shape,
+            dtype=x.dtype,
+            data=None if row is None else row.data,
+            scale_inv=None if row is None else row.scale_inv,
+            block=col.block,
+            data_t=col.data_t,
+            scale_inv_t=col.scale_inv_t,
+            block_t=col.block_t,
+            global_scale_inv=col.global_scale_inv if row is None else row.global_scale_inv,
+            global_scale_inv_t=col.global_scale_inv,
+            rht_t=base.rht,
+        )
+
+    def _quantize(
+        self,
+        x: torch.Tensor,
+        matrix: torch.Tensor,
+        rowwise: bool,
+        columnwise: bool,
+        generator: torch.Generator | None,
+    ) -> NVFP4Tensor:
+        base = self.base
+        matrix = matrix.float()
+        rows, cols = matrix.shape
+        stochastic = base.stochastic_rounding
+        rand = rand_t = None
+        if stochastic:
+            rand, rand_t = nvfp4._draws(
+                x, rows, cols, base.block_2d, rowwise, columnwise, generator
+            )
+        # The whole tensor's amax of finite magnitudes (nvfp4._global_encode_scale's).
+        amax = torch.nan_to_num(matrix.abs(), nan=0.0, posinf=0.0).amax()
+        all_reduce_max(amax, self.group)
+        s_enc = scale_from_amax(amax, nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)
+        tile_rows = BLOCK if base.block_2d else 1
+        data = scale_inv = data_t = scale_inv_t = None
+        if rowwise or base.block_2d:
+            blocks, mag, block_amax = nvfp4._tiles(matrix, tile_rows)
+            codes, scales = nvfp4._encode(blocks, mag, block_amax, s_enc, rand)
+            codes = codes.reshape(rows, cols)
+            if rowwise:
+                data, scale_inv = nvfp4._pack(codes), scales
+        if columnwise:
+            if base.block_2d:
+                data_t, scale_inv_t = nvfp4._pack(codes.t()), scales.t().contiguous()
+            else:
+                blocks, mag, block_amax = nvfp4._tiles(matrix.t(), 1)
+                codes_t, scale_inv_t = nvfp4._encode(blocks, mag, block_amax, s_enc, rand_t)
+                data_t = nvfp4._pack(codes_t.reshape(cols, rows))
+        block = (tile_rows, BLOCK)
+        return NVFP4Tensor(
+            fmt=self.fmt,
+            shape=x.shape,
+            dtype=x.dtype,
+            data=data.reshape(*x.shape[:-1], cols // 2) if rowwise else None,
+            scale_inv=scale_inv,
+            block=block,
+            data_t=data_t,
+            scale_inv_t=scale_inv_t,
+            block_t=block,
+            global_scale_inv=s_enc.reciprocal(),
+        )
