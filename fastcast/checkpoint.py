@@ -59,6 +59,7 @@ from .delayed import (
     ScalingOrigin,
     check_scaling_tensors,
 )
+from .formats import FP8_FORMATS
 from .pickles import describe_pickle, payload_bytes, unpickle
 from .state import unsafe_extra_state
 from .te_state import TE_KEYS, describe_items, from_transformer_engine, hashable
@@ -75,7 +76,7 @@ _STATELESS_HEADER = [float(MAGIC), float(VERSION), float(STATELESS), float(HEADE
 _KIND, _HEADER_LEN, _ROWS, _FWD_COLS, _BWD_COLS, _FWD_FMT, _BWD_FMT = 2, 3, 4, 5, 6, 7, 8
 _MARGIN, _ALGO, _CUSTOM, _REDUCE = 9, 10, 11, 12
 _COLUMNS = {FORWARD: 2, BACKWARD: 1}  # what an fc.Linear keeps per direction
-_FORMATS = ("e4m3", "e5m2")
+_FORMATS = FP8_FORMATS  # codes 0, 1 (the order is part of the file format)
 _ALGOS = ("max", "most_recent", "callable")
 UNKNOWN = -1
 # Version 1: a dict, or None when stateless.

@@ -20,8 +20,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .quantize.base import scale_from_amax
-from .recipe import ELEMENT_MAX, DelayedScaling
+from .formats import ELEMENT_MAX
+from .recipe import DelayedScaling
+from .reference.cast import scale_from_amax
 
 FORWARD, BACKWARD = 0, 1
 

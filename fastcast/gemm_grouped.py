@@ -40,14 +40,11 @@ from typing import Any
 import torch
 
 from . import hardware
+from .formats import ELEMENT_MAX
 from .quantize import hadamard
-from .quantize.base import scale_and_cast, scale_from_amax
-from .quantize.mx import MX_BLOCK, power_of_2, shared_exponent
 from .quantize.nvfp4 import BLOCK as NVFP4_BLOCK
 from .quantize.nvfp4 import _encode as nvfp4_encode
-from .quantize.rowwise import row_amax
 from .recipe import (
-    ELEMENT_MAX,
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
@@ -56,6 +53,9 @@ from .recipe import (
     NVFP4BlockScaling,
     Recipe,
 )
+from .reference.cast import scale_and_cast, scale_from_amax
+from .reference.mx import MX_BLOCK, power_of_2, shared_exponent
+from .reference.rows import row_amax
 from .tensor import BLOCKWISE, MXFP8, NVFP4, ROWWISE, TENSORWISE
 
 BLOCK_TILE = 128  # Float8BlockScaling's block extent

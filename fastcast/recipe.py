@@ -13,6 +13,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from .formats import ELEMENT_MAX
+
 
 class Format(enum.Enum):
     """Element formats of the forward and backward (gradient) tensors.
@@ -46,8 +48,6 @@ class Format(enum.Enum):
     def __repr__(self) -> str:
         return f"Format.{self.name}"
 
-
-ELEMENT_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0, "e2m1": 6.0}
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 

@@ -15,16 +15,15 @@ from hypothesis import strategies as st
 
 import fastcast as fc
 from fastcast import kernels
+from fastcast.formats import ELEMENT_MAX, FP8_DTYPES
 from fastcast.kernels import build, choice
 from fastcast.quantize import tensorwise
-from fastcast.quantize.base import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
 from fastcast.quantize.tensorwise import (
     CurrentScalingQuantizer,
     DelayedScalingQuantizer,
     quantize_with_scale,
 )
-from fastcast.recipe import ELEMENT_MAX
-from fastcast.tensor import FP8_DTYPES
+from fastcast.reference.cast import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FORMATS = ("e4m3", "e5m2")
@@ -420,7 +419,7 @@ def test_fused_dequantize_reads_a_transposed_view_as_its_copy(op, block):
 def test_fused_dequantize_decodes_every_e8m0_byte(op):
     """MXFP8 scales reach the fused dequantization as E8M0 bytes: every byte, 2**-127
     (subnormal) and 255 (NaN) included, decodes as the reference's decode_e8m0."""
-    from fastcast.tensor import decode_e8m0
+    from fastcast.reference.decode import decode_e8m0
 
     dequantize = choice.fused_op("dequantize_blocks", torch.empty(1))
     scales = torch.arange(256, dtype=torch.uint8).reshape(256, 1)

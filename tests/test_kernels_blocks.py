@@ -12,11 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_kernels import DTYPES, FORMATS, SPECIALS, _bytes
 
+from fastcast.formats import FP8_DTYPES
 from fastcast.kernels import choice
 from fastcast.quantize import block, mx
 from fastcast.quantize.block import BlockScalingQuantizer
 from fastcast.quantize.mx import MXFP8Quantizer
-from fastcast.tensor import FP8_DTYPES
+from fastcast.reference import mx as mx_reference
+from fastcast.reference import tiles
 
 RULES = ("rceil", "ocp")
 
@@ -202,11 +204,11 @@ def _spy(monkeypatch, module) -> list[int]:
     return calls
 
 
-QUANTIZERS = [
-    (block, BlockScalingQuantizer(block_dim=1)),
-    (block, BlockScalingQuantizer(fmt="e5m2", block_dim=2, power_2_scales=False)),
-    (mx, MXFP8Quantizer()),
-    (mx, MXFP8Quantizer(fmt="e5m2", scale_rule="ocp")),
+QUANTIZERS = [  # the reference module each quantizer's fallback runs
+    (tiles, BlockScalingQuantizer(block_dim=1)),
+    (tiles, BlockScalingQuantizer(fmt="e5m2", block_dim=2, power_2_scales=False)),
+    (mx_reference, MXFP8Quantizer()),
+    (mx_reference, MXFP8Quantizer(fmt="e5m2", scale_rule="ocp")),
 ]
 
 

@@ -46,16 +46,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..nn.function import LinearFunction, forward_gemm
 from ..quantize import hadamard, nvfp4
-from ..quantize.base import (
-    as_matrix,
-    check_input,
-    scale_and_cast,
-    scale_from_amax,
-    tensor_amax,
-    transposed_codes,
-)
+from ..quantize.base import check_input, transposed_codes
 from ..quantize.nvfp4 import BLOCK, NVFP4Quantizer
-from ..quantize.rowwise import PER_ROW, RowwiseQuantizer, row_amax
+from ..quantize.rowwise import PER_ROW, RowwiseQuantizer
 from ..recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -64,6 +57,8 @@ from ..recipe import (
     MXFP8BlockScaling,
     NVFP4BlockScaling,
 )
+from ..reference.cast import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
+from ..reference.rows import row_amax
 from ..schemes import Plan, scheme_for
 from ..state import AutocastFrame
 from ..tensor import Float8Tensor, NVFP4Tensor

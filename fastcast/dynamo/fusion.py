@@ -13,10 +13,9 @@ import torch
 from torch._dynamo import assume_constant_result
 
 from .. import gemm, hardware
+from ..formats import ELEMENT_MAX, FP8_DTYPES
 from ..kernels import choice as _kernel_choice
-from ..quantize.base import scale_and_cast
-from ..recipe import ELEMENT_MAX
-from ..tensor import FP8_DTYPES
+from ..reference.cast import scale_and_cast
 
 # The machine's answers are fixed for a trace (the GEMM path depends on the device and on
 # FASTCAST_GEMM, read when traced): run them at trace time and keep the answers as

@@ -2,7 +2,7 @@
 
 Each function here has the signature and the results of the C++ operator of the same
 name (``fake.py`` has their shapes) and computes them by calling the PyTorch reference
-(``fastcast.quantize``), so its values are the reference's. ``ops()`` wraps each in
+(``fastcast.reference``), so its values are the reference's. ``ops()`` wraps each in
 ``torch.compile(dynamic=True, fullgraph=True)``: one wrapper per operator, made once per
 process, compiled at its first call (never at import), once per dtype and flags rather
 than per shape. Inductor's FX graph and AOTAutograd caches keep the compiled code on disk
@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
-from ..quantize import block, mx, nvfp4, rowwise
-from ..quantize.base import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
-from ..quantize.tensorwise import record_amax_reference
-from ..recipe import ELEMENT_MAX
-from ..tensor import FP8_DTYPES, apply_scales, decode_e8m0, unpack_e2m1
+from ..formats import ELEMENT_MAX, FP8_DTYPES
+from ..quantize import nvfp4
+from ..reference import mx, rows, tiles
+from ..reference.amax import record_amax_reference
+from ..reference.cast import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
+from ..reference.decode import apply_scales, decode_e8m0, unpack_e2m1
 
 _FORMATS = {dtype: fmt for fmt, dtype in FP8_DTYPES.items()}
 
@@ -67,13 +68,13 @@ def quantize_recording(
 def quantize_rows(
     m: torch.Tensor, dtype: torch.dtype, power_2: bool, columns: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return rowwise.quantize_rows_reference(m, _FORMATS[dtype], power_2, columns)
+    return rows.quantize_rows_reference(m, _FORMATS[dtype], power_2, columns)
 
 
 def quantize_blocks(
     m: torch.Tensor, tile_rows: int, dtype: torch.dtype, power_2: bool, epsilon: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return block.quantize_tiles_reference(m, tile_rows, _FORMATS[dtype], power_2, epsilon)
+    return tiles.quantize_tiles_reference(m, tile_rows, _FORMATS[dtype], power_2, epsilon)
 
 
 def quantize_mxfp8(

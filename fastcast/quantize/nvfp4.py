@@ -47,12 +47,13 @@ from typing import ClassVar
 
 import torch
 
+from ..formats import E2M1_VALUES, ELEMENT_MAX, FP32_MAX
 from ..kernels import fused_op
 from ..profiling import annotate
-from ..recipe import ELEMENT_MAX
-from ..tensor import E2M1_VALUES, NVFP4Tensor
+from ..reference.cast import as_matrix, scale_and_cast, scale_from_amax
+from ..tensor import NVFP4Tensor
 from . import hadamard
-from .base import FP32_MAX, as_matrix, check_input, scale_and_cast, scale_from_amax
+from .base import check_input
 
 BLOCK = 16
 E2M1_MAX = ELEMENT_MAX["e2m1"]

@@ -18,19 +18,13 @@ from typing import Any
 
 import torch
 
+from ..formats import ELEMENT_MAX, FP8_DTYPES
 from ..kernels import fused_op, tensorwise_op
 from ..profiling import annotate
-from ..recipe import ELEMENT_MAX
-from ..tensor import FP8_DTYPES, WHOLE, Float8Tensor
-from .base import (
-    as_matrix,
-    check_fp8_format,
-    check_input,
-    scale_and_cast,
-    scale_from_amax,
-    tensor_amax,
-    transposed_codes,
-)
+from ..reference.amax import record_amax_reference
+from ..reference.cast import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
+from ..tensor import WHOLE, Float8Tensor
+from .base import check_fp8_format, check_input, transposed_codes
 
 
 def quantize_with_scale(
@@ -201,8 +195,3 @@ def record_amax(slot: torch.Tensor, x: torch.Tensor) -> None:
     record_amax_reference(slot, x)
 
 
-def record_amax_reference(slot: torch.Tensor, x: torch.Tensor) -> None:
-    """``record_amax`` in PyTorch operations (the definition the fused operators match)."""
-    # NaN and inf become 0, which never raises the slot (an amax is >= 0): no host sync.
-    amax = tensor_amax(x).nan_to_num_(nan=0.0, posinf=0.0)
-    torch.maximum(slot, amax.reshape(slot.shape), out=slot)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..quantize.mx import MX_BLOCK, MXFP8Quantizer
+from ..quantize.mx import MXFP8Quantizer
 from ..recipe import MXFP8BlockScaling
+from ..reference.mx import MX_BLOCK
 from ..tensor import MXFP8
 from .base import Scheme, register_scheme
 
