@@ -13,6 +13,7 @@ from .hardware import (
     nvfp4_available,
 )
 from .nn import Linear, convert, keep_high_precision
+from .numerics import inspect
 from .recipe import (
     CustomRecipe,
     DelayedScaling,
@@ -56,6 +57,7 @@ __all__ = [
     "fp8_block_scaling_available",
     "fp8_rowwise_available",
     "get_autocast_recipe",
+    "inspect",
     "is_autocast_enabled",
     "keep_high_precision",
     "mxfp8_available",
