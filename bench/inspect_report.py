@@ -81,7 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "python -m bench.inspect_report " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.inspect_report " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     config = (
         f"width {args.width}, depth {args.depth}, batch {args.batch}, {args.steps} steps, "
         f"lr {args.lr}, seed {args.seed}, sampled every {args.every} steps; "
@@ -92,8 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         f"`{command.strip()}` ({config}).",
         "",
-        "Mean SQNR (dB) per operand and layout over layers and sampled steps; the lowest "
-        "(the operand that limits the recipe) in bold.",
+        "Mean SQNR (dB) per operand and layout over layers and sampled steps; in bold the "
+        "operand that limits the recipe (the lowest, when 1 dB or more below the best); "
+        "flagged: layers with an SQNR below their format's threshold at some sampled step.",
         "",
         "| recipe | input row | input col | weight row | weight col | grad row | grad col | "
         "limiting operand | flagged layers |",
@@ -107,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         seconds = time.perf_counter() - start
         means = operand_means(report)
         worst = min(means, key=means.get)
+        # An operand limits the recipe when it is clearly the lowest: 1 dB below the best.
+        limiting = worst if max(means.values()) - means[worst] >= 1.0 else None
         cells = []
         for operand in fc.numerics.OPERANDS:
             for layout in fc.numerics.LAYOUTS:
@@ -116,12 +121,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     continue
                 value, fmt = found[0]
                 text = f"{value:.1f} ({fmt})"
-                cells.append(f"**{text}**" if (operand, layout, fmt) == worst else text)
+                cells.append(f"**{text}**" if (operand, layout, fmt) == limiting else text)
         flagged = report.flagged()
-        summary.append(
-            f"| {name} | {' | '.join(cells)} | {worst[0]} {worst[1]} ({worst[2]}) | "
-            f"{len(flagged)} |"
-        )
+        limit = "none (all within 1 dB)" if limiting is None else " ".join(limiting[:2])
+        if limiting is not None:
+            limit += f" ({limiting[2]})"
+        summary.append(f"| {name} | {' | '.join(cells)} | {limit} | {len(flagged)} |")
         body = [
             f"# fc.inspect: {name} ({QUANTIZED[name]()!r})",
             "",
@@ -134,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report.heatmap(
             args.out / f"{name}.png", title=f"{name}: SQNR (dB) per layer operand and step"
         )
-        print(f"{name}: {seconds:.1f} s, limiting operand {worst}, {len(flagged)} flagged")
+        print(f"{name}: {seconds:.1f} s, limiting operand: {limit}, {len(flagged)} flagged")
         print(report.table(limit=4))
         for action in report.actions():
             print("  -", action)

@@ -278,7 +278,9 @@ class Inspector:
         """What has been recorded so far."""
         self._flush()
         threshold = self.threshold_db if threshold_db is None else threshold_db
-        return Report([_derive(key, acc) for key, acc in self._acc.items()], threshold, self._recipes)
+        return Report(
+            [_derive(key, acc) for key, acc in self._acc.items()], threshold, self._recipes
+        )
 
     # -- steps ---------------------------------------------------------------------------
     def _install_enter(self) -> None:
@@ -508,11 +510,32 @@ class Report:
                 names.append(row["layer"])
         return names
 
+    def _cold_start(self) -> list[str]:
+        """Flagged delayed-scaling layers whose low SQNR comes from the first recorded step
+        alone (step 0 quantizes with the initial scales, 1: no amax recorded yet)."""
+        first = min(self.steps(), default=0)
+        cold = []
+        for layer in self.flagged():
+            below = [
+                r
+                for r in self._rows
+                if r["layer"] == layer and r["sqnr_db"] < self.threshold(r["fmt"])
+            ]
+            if first == 0 and all(r["step"] == first and r["stale"] is not None for r in below):
+                cold.append(layer)
+        return cold
+
     def actions(self) -> list[str]:
         """One-line changes that would act on what the report shows."""
-        summary = self.summary()
         out: list[str] = []
-        flagged = self.flagged()
+        cold = self._cold_start()
+        flagged = [n for n in self.flagged() if n not in cold]
+        if cold:
+            out.append(
+                f"{len(cold)} delayed-scaling layer(s) fall below the threshold at step 0 only "
+                "(initial scales, no amax history yet): calibrate before training, "
+                "with fc.autocast(enabled=False, calibrating=True): model(batch)"
+            )
         if flagged:
             names = ", ".join(repr(n) for n in flagged)
             comma = "," if len(flagged) == 1 else ""
@@ -521,29 +544,45 @@ class Report:
                 f"fc.convert(model, fc.keep_high_precision(model, names=({names}{comma})), "
                 "recipe=recipe)"
             )
-        seen: set[str] = set()
-        for row in summary:
+        # HYBRID's E5M2 gradients: suggested when they are the weak operand (3 dB or more
+        # below the E4M3 operands, or below their threshold), leaving out a delayed-scaling
+        # cold start (step 0), which E4M3 would not cure.
+        skip_first = bool(cold)
+        by_recipe: dict[Any, tuple[list[float], list[float], list[dict[str, Any]]]] = {}
+        for row in self._rows:
             recipe = self._recipes.get(row["layer"])
-            below = row["sqnr_db"] < self.threshold(row["fmt"])
-            if recipe is None or type(recipe).__name__ in seen:
+            if getattr(recipe, "fp8_format", None) is not Format.HYBRID:
                 continue
-            if (
-                row["operand"] == "grad_output"
-                and row["fmt"] == "e5m2"
-                and getattr(recipe, "fp8_format", None) is Format.HYBRID
-                and (below or row["underflow"] > 0.01)
-            ):
-                seen.add(type(recipe).__name__)
+            if (skip_first and row["step"] == 0) or not math.isfinite(row["sqnr_db"]):
+                continue
+            e4, e5, rows = by_recipe.setdefault(recipe, ([], [], []))
+            if row["fmt"] == "e5m2":
+                e5.append(row["sqnr_db"])
+                rows.append(row)
+            else:
+                e4.append(row["sqnr_db"])
+        for recipe, (e4, e5, rows) in by_recipe.items():
+            if not e5 or not e4:
+                continue
+            m4, m5 = sum(e4) / len(e4), sum(e5) / len(e5)
+            if m4 - m5 >= 3.0 or min(e5) < self.threshold("e5m2"):
+                underflow = max(r["underflow"] for r in rows)
                 out.append(
-                    f"E5M2 gradients lose precision ({row['layer']}: "
-                    f"{row['sqnr_db']:.1f} dB, underflow {row['underflow']:.2%}): "
+                    f"E5M2 gradients are the weak operand ({m5:.1f} dB mean against "
+                    f"{m4:.1f} dB for the E4M3 operands, underflow up to {underflow:.2%}): "
                     f"recipe = fc.{type(recipe).__name__}(fp8_format=fc.Format.E4M3)"
                 )
-        stale = [r for r in summary if r["stale"] is not None and r["stale"] > 1.0]
+        # Scales too small for the tensor, and values clipped for it (0.1% or more).
+        stale = [
+            r
+            for r in self._rows
+            if r["stale"] is not None and r["stale"] > 1.0 and r["saturated"] >= 1e-3
+        ]
         if stale:
             worst = max(stale, key=lambda r: r["stale"])
             out.append(
-                f"delayed scales too old ({worst['layer']} {worst['operand']}: amax "
+                f"delayed scales too old ({worst['layer']} {worst['operand']} at step "
+                f"{worst['step']}: amax "
                 f"{worst['stale']:.2f}x the amax behind its scale, saturated "
                 f"{worst['saturated']:.2%}): recipe = fc.DelayedScaling(margin=1) (or "
                 "amax_history_len=16, or fc.Float8CurrentScaling())"
@@ -636,7 +675,9 @@ class Report:
             if metric == "sqnr_db" and not math.isfinite(value):
                 value = 99.0 if value > 0 else math.nan
             cell = grid[order[label]][column[row["step"]]]
-            grid[order[label]][column[row["step"]]] = value if math.isnan(cell) else worse(cell, value)
+            grid[order[label]][column[row["step"]]] = (
+                value if math.isnan(cell) else worse(cell, value)
+            )
         fig, ax = plt.subplots(figsize=(max(4.0, 0.3 * len(steps) + 3), 0.28 * len(labels) + 1.5))
         cmap = "viridis" if metric == "sqnr_db" else "magma_r"
         image = ax.imshow(grid, aspect="auto", cmap=cmap, interpolation="nearest")
@@ -644,7 +685,11 @@ class Report:
         ticks = list(range(0, len(steps), max(1, len(steps) // 12)))
         ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=7)
         ax.set_xlabel("step")
-        names = {"sqnr_db": "SQNR (dB)", "underflow": "underflow fraction", "saturated": "saturated"}
+        names = {
+            "sqnr_db": "SQNR (dB)",
+            "underflow": "underflow fraction",
+            "saturated": "saturated",
+        }
         fig.colorbar(image, ax=ax, label=names[metric])
         ax.set_title(title or f"fc.inspect: {names[metric]} per layer and step", fontsize=9)
         fig.tight_layout()

@@ -169,7 +169,9 @@ def test_off_means_nothing_installed_and_nothing_retained():
     assert _hook_state(model) == hooks
     for m in model.modules():
         if isinstance(m, fc.Linear):
-            assert not any(type(getattr(m._plan, a)) is _Tap for a in ("input_q", "weight_q", "grad_q"))
+            assert not any(
+                type(getattr(m._plan, a)) is _Tap for a in ("input_q", "weight_q", "grad_q")
+            )
     del x, out
     gc.collect()
     assert x_ref() is None  # the inspection kept no tensor
