@@ -251,3 +251,26 @@ def test_bad_arguments_are_refused_by_name():
         with pytest.raises(RuntimeError, match="manual"):
             insp.step()
     assert "nothing recorded" in str(insp.report())
+
+
+@pytest.mark.compile
+def test_compiled_steps_run_and_are_not_inspected():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+    fc.convert(model)
+    recipe = fc.Float8CurrentScaling()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with fc.autocast(recipe=recipe):
+            return model(x)
+
+    compiled = torch.compile(forward, fullgraph=True)
+    x = torch.randn(16, 32)
+    expected = forward(x)
+    with fc.inspect(model, step="manual") as insp:
+        out = compiled(x)  # step 0: compiled, runs as without inspection, records nothing
+        out.sum().backward()
+        insp.step()
+        forward(x).sum().backward()  # step 1: eager, inspected
+    assert torch.equal(out, expected)
+    assert insp.report().steps() == [1]
