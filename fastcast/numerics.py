@@ -346,6 +346,8 @@ class Inspector:
 
     # -- recording -----------------------------------------------------------------------
     def _observe(self, tap: _Tap, x: torch.Tensor, q: Any) -> None:
+        if not self._active:  # a backward that outlived stop() (its call kept the taps)
+            return
         margin = tap.margin if isinstance(tap.inner, DelayedScalingQuantizer) else None
         for layout in LAYOUTS:
             present = q.has_rowwise if layout == "rowwise" else q.has_columnwise

@@ -230,10 +230,20 @@ def test_outputs_rows_jsonl_table_and_heatmap(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match="matplotlib"):
         report.heatmap(tmp_path / "x.png")
-    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match="tensorboard"):
+        report.to_tensorboard(tmp_path / "runs")
+
+
+def test_heatmap_is_a_png(tmp_path):
     pytest.importorskip("matplotlib")
+    layer = fc.Linear(16, 16)
+    with fc.inspect(layer, every=1) as insp:
+        for _ in range(3):
+            with fc.autocast(recipe=fc.Float8CurrentScaling()):
+                layer(torch.randn(16, 16)).sum().backward()
     png = tmp_path / "sqnr.png"
-    report.heatmap(png)
+    insp.report().heatmap(png, metric="underflow")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
