@@ -14,6 +14,7 @@ from .hardware import (
     nvfp4_available,
 )
 from .nn import GroupedLinear, Linear, convert, keep_high_precision
+from .numerics import inspect
 from .recipe import (
     CustomRecipe,
     DelayedScaling,
@@ -59,6 +60,7 @@ __all__ = [
     "fp8_rowwise_available",
     "get_autocast_recipe",
     "grouped_mm",
+    "inspect",
     "is_autocast_enabled",
     "keep_high_precision",
     "mxfp8_available",

@@ -1,0 +1,286 @@
+"""``fc.inspect``: per-layer, per-operand FP8/FP4 numerics, free when off."""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import sys
+import weakref
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fastcast as fc
+from fastcast.nn import linear as linear_module
+from fastcast.numerics import _Tap
+
+FMT_MAX = 448.0
+
+
+class Pair(nn.Module):
+    """Two independent layers, ``good`` and ``bad``, fed their own inputs."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.good = fc.Linear(width, width)
+        self.bad = fc.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.good(x).sum() + self.bad(y).sum()
+
+
+def _train_step(model: Pair, recipe: fc.Recipe, x: torch.Tensor, y: torch.Tensor) -> None:
+    with fc.autocast(recipe=recipe):
+        loss = model(x, y)
+    loss.backward()
+    model.zero_grad()
+
+
+def _wide(shape: tuple[int, int], scale: float, gen: torch.Generator) -> torch.Tensor:
+    """Gaussian values times ``scale``, every other column scaled down by 1e-9 as well: a
+    range no FP8 format spans."""
+    y = torch.randn(shape, generator=gen) * scale
+    y[:, ::2] *= 1e-9
+    return y
+
+
+def test_layer_beyond_the_format_range_is_flagged_worst():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    model = Pair()
+    recipe = fc.DelayedScaling(amax_history_len=4)
+    with fc.inspect(model, every=1) as insp:
+        for _ in range(3):  # scales settle on the normal range of both inputs
+            x = torch.randn(64, 32, generator=gen)
+            _train_step(model, recipe, x, torch.randn(64, 32, generator=gen))
+        # Then bad's input jumps 100x (saturates under the old scale) and spans 1e-9..1e2.
+        _train_step(model, recipe, torch.randn(64, 32, generator=gen), _wide((64, 32), 100.0, gen))
+    report = insp.report()
+    worst = report.rows()[0]
+    assert (worst["layer"], worst["operand"], worst["step"]) == ("bad", "input", 3)
+    assert worst["saturated"] > 0.1 and worst["underflow"] > 0.4
+    assert worst["stale"] > 10
+    assert report.flagged()[0] == "bad" and "good" not in report.flagged()
+    assert "fc.keep_high_precision(model, names=('bad',))" in str(report)
+    good = [r for r in report.rows() if r["layer"] == "good" and r["operand"] == "input"]
+    # (A fresh batch may exceed the amax behind a delayed scale by a little: 1 element.)
+    assert all(r["saturated"] < 0.001 and r["underflow"] < 0.01 for r in good)
+
+
+def _reference_e4m3(x: torch.Tensor) -> tuple[float, float]:
+    """SQNR (dB) and underflow of per-tensor current scaling to E4M3, in float64: scale
+    448/amax, torch's own FP8 cast (round to nearest even), decoded back."""
+    x64 = x.double()
+    scale = FMT_MAX / x64.abs().max()
+    codes = (x64 * scale).clamp(-FMT_MAX, FMT_MAX).to(torch.float8_e4m3fn)
+    back = codes.double() / scale
+    sqnr = 10 * math.log10(x64.square().sum().item() / (x64 - back).square().sum().item())
+    nonzero = x64 != 0
+    underflow = ((back == 0) & nonzero).sum().item() / nonzero.sum().item()
+    return sqnr, underflow
+
+
+def test_sqnr_and_underflow_agree_with_a_float64_reference():
+    torch.manual_seed(0)
+    layer = fc.Linear(64, 32, bias=False)
+    # Log-uniform magnitudes over 8 decades: a real share underflows.
+    x = torch.exp(torch.empty(128, 64).uniform_(-18, 0)) * torch.randn(128, 64).sign()
+    recipe = fc.Float8CurrentScaling(fp8_format=fc.Format.E4M3)
+    insp = fc.inspect(layer, step="manual").start()
+    with torch.no_grad(), fc.autocast(recipe=recipe):
+        layer(x)
+    insp.stop()
+    rows = {(r["operand"], r["layout"]): r for r in insp.report().rows()}
+    assert set(rows) == {("input", "rowwise"), ("weight", "rowwise")}  # no grad: no T
+    for operand, tensor in (("input", x), ("weight", layer.weight.detach())):
+        sqnr, underflow = _reference_e4m3(tensor)
+        row = rows[(operand, "rowwise")]
+        assert row["sqnr_db"] == pytest.approx(sqnr, abs=1e-3)  # FP32 scale vs float64
+        assert row["underflow"] == pytest.approx(underflow, abs=1e-12)
+        assert row["amax"] == pytest.approx(tensor.abs().max().item(), rel=1e-6)
+        assert row["scale"] == pytest.approx(FMT_MAX / tensor.abs().max().item(), rel=1e-6)
+    assert rows[("input", "rowwise")]["underflow"] > 0.05
+
+
+def test_delayed_scaling_reports_stale_scales_after_a_distribution_shift():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(2)
+    layer = fc.Linear(32, 32)
+    recipe = fc.DelayedScaling(amax_history_len=1)
+    with fc.inspect(layer) as insp:
+        for step in range(5):
+            x = torch.randn(64, 32, generator=gen) * (50.0 if step == 4 else 1.0)
+            with fc.autocast(recipe=recipe):
+                out = layer(x)
+            out.sum().backward()
+    rows = {(r["step"], r["operand"]): r for r in insp.report().rows()}
+    # Steps 2-3: the scale comes from the previous step's amax of the same distribution.
+    for step in (2, 3):
+        assert 0.5 < rows[(step, "input")]["stale"] < 2.0
+        assert rows[(step, "input")]["saturated"] < 0.005  # a few elements at most
+    shifted = rows[(4, "input")]
+    assert shifted["stale"] > 20 and shifted["saturated"] > 0.2
+    assert rows[(4, "weight")]["stale"] == pytest.approx(1.0, rel=1e-3)
+    assert any("DelayedScaling(margin=1)" in a for a in insp.report().actions())
+
+
+def _hook_state(model: nn.Module) -> list:
+    state = []
+    for m in model.modules():
+        for name in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_backward_hooks",
+            "_backward_pre_hooks",
+            "_state_dict_hooks",
+            "_load_state_dict_pre_hooks",
+        ):
+            state.append(dict(getattr(m, name)))
+    for p in model.parameters():
+        state.append(p._backward_hooks)
+    return state
+
+
+def test_off_means_nothing_installed_and_nothing_retained():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+    fc.convert(model)
+    recipe = fc.Float8CurrentScaling()
+    plan_for, enter = linear_module.plan_for, fc.autocast.__dict__["__enter__"]
+    hooks = _hook_state(model)
+    insp = fc.inspect(model, every=2)
+    assert linear_module.plan_for is plan_for  # built, not on: nothing replaced yet
+    x = torch.randn(16, 32, requires_grad=True)
+    x_ref = weakref.ref(x)
+    insp.start()
+    for step in range(3):
+        with fc.autocast(recipe=recipe):
+            out = model(x)
+        # Sampled steps (0, 2) replace plan_for while they last; step 1 runs the original.
+        assert (linear_module.plan_for is plan_for) == (step % 2 == 1)
+        out.sum().backward()
+    insp.stop()
+    assert linear_module.plan_for is plan_for
+    assert fc.autocast.__dict__["__enter__"] is enter
+    assert _hook_state(model) == hooks
+    for m in model.modules():
+        if isinstance(m, fc.Linear):
+            assert not any(
+                type(getattr(m._plan, a)) is _Tap for a in ("input_q", "weight_q", "grad_q")
+            )
+    del x, out
+    gc.collect()
+    assert x_ref() is None  # the inspection kept no tensor
+    assert insp._pending == []
+    assert {r["step"] for r in insp.report().rows()} == {0, 2}
+
+
+@settings(max_examples=8, deadline=None)
+@given(every=st.integers(1, 4), steps=st.integers(1, 6), manual=st.booleans())
+def test_sampled_steps_are_the_multiples_of_every(every, steps, manual):
+    layer = fc.Linear(16, 16)
+    recipe = fc.Float8CurrentScaling()
+    x = torch.randn(16, 16)
+    insp = fc.inspect(layer, every=every, step="manual" if manual else "autocast")
+    with insp:
+        for i in range(steps):
+            if manual and i:
+                insp.step()
+            with fc.autocast(recipe=recipe):
+                with fc.autocast(recipe=recipe):  # nested: still one step
+                    layer(x)
+    assert insp.report().steps() == [s for s in range(steps) if s % every == 0]
+    assert insp.current_step == steps - 1
+
+
+def test_outputs_rows_jsonl_table_and_heatmap(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    fc.convert(model)
+    recipe = fc.Float8CurrentScaling()  # HYBRID: E5M2 gradients
+    with fc.inspect(model, threshold_db=100.0) as insp:  # everything is below 100 dB
+        for _ in range(2):
+            with fc.autocast(recipe=recipe):
+                out = model(torch.randn(16, 32))
+            out.square().sum().backward()
+    report = insp.report()
+    rows = report.rows()
+    # Per step: layer 2 has input, weight and grad in both layouts; layer 0 (whose input
+    # needs no gradient: no dgrad) its input's two, its weight's and its grad's one each.
+    assert len(rows) == 2 * (6 + 4)
+    assert [r["sqnr_db"] for r in rows] == sorted(r["sqnr_db"] for r in rows)
+    for key in ("layer", "operand", "step", "amax", "underflow", "saturated", "sqnr_db"):
+        assert key in rows[0]
+    assert {r["layer"] for r in rows} == {"0", "2"}
+    assert {r["fmt"] for r in rows if r["operand"] == "grad_output"} == {"e5m2"}
+    path = tmp_path / "rows.jsonl"
+    report.to_jsonl(path)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == 20 and lines[0]["layer"] == rows[0]["layer"]
+    text = str(report)
+    assert text.startswith("| layer | operand |")
+    assert "fc.keep_high_precision(model, names=(" in text
+    assert "fc.Float8CurrentScaling(fp8_format=fc.Format.E4M3)" in text
+    with pytest.raises(ValueError, match="metric"):
+        report.heatmap(tmp_path / "x.png", metric="loss")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match="matplotlib"):
+        report.heatmap(tmp_path / "x.png")
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match="tensorboard"):
+        report.to_tensorboard(tmp_path / "runs")
+
+
+def test_heatmap_is_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    layer = fc.Linear(16, 16)
+    with fc.inspect(layer, every=1) as insp:
+        for _ in range(3):
+            with fc.autocast(recipe=fc.Float8CurrentScaling()):
+                layer(torch.randn(16, 16)).sum().backward()
+    png = tmp_path / "sqnr.png"
+    insp.report().heatmap(png, metric="underflow")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_arguments_are_refused_by_name():
+    with pytest.raises(ValueError, match="no fc.Linear"):
+        fc.inspect(nn.Linear(4, 4))
+    layer = fc.Linear(16, 16)
+    with pytest.raises(ValueError, match="every"):
+        fc.inspect(layer, every=0)
+    with pytest.raises(ValueError, match="step"):
+        fc.inspect(layer, step="optimizer")
+    with fc.inspect(layer) as insp:
+        with pytest.raises(RuntimeError, match="another inspection"):
+            fc.inspect(layer).start()
+        with pytest.raises(RuntimeError, match="manual"):
+            insp.step()
+    assert "nothing recorded" in str(insp.report())
+
+
+@pytest.mark.compile
+def test_compiled_steps_run_and_are_not_inspected():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+    fc.convert(model)
+    recipe = fc.Float8CurrentScaling()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with fc.autocast(recipe=recipe):
+            return model(x)
+
+    compiled = torch.compile(forward, fullgraph=True)
+    x = torch.randn(16, 32)
+    expected = forward(x)
+    with fc.inspect(model, step="manual") as insp:
+        out = compiled(x)  # step 0: compiled, runs as without inspection, records nothing
+        out.sum().backward()
+        insp.step()
+        forward(x).sum().backward()  # step 1: eager, inspected
+    assert torch.equal(out, expected)
+    assert insp.report().steps() == [1]
