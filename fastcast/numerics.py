@@ -55,12 +55,13 @@ import torch
 from torch import nn
 
 from .autocast import autocast as _autocast
+from .formats import ELEMENT_MAX
 from .nn import linear as _linear
 from .nn.linear import Linear
-from .quantize.base import as_matrix
 from .quantize.hadamard import transform_rows
 from .quantize.tensorwise import DelayedScalingQuantizer
-from .recipe import ELEMENT_MAX, Format
+from .recipe import Format
+from .reference.cast import as_matrix
 from .state import frames, get_stack
 
 OPERANDS = ("input", "weight", "grad_output")
