@@ -59,7 +59,7 @@ from .delayed import (
 )
 from .pickles import describe_pickle, payload_bytes, unpickle
 from .state import unsafe_extra_state
-from .te_state import TE_KEYS, describe_items, from_transformer_engine, hashable
+from .te_state import TE_ALLOW_LIST, TE_KEYS, describe_items, from_transformer_engine, hashable
 
 EXTRA_STATE_KEY = "_extra_state"  # nn.Module's name for it in state dicts
 MAGIC = 0xFCA570
@@ -172,8 +172,9 @@ def decode_extra_state(state: Any, owner: str = "module") -> dict[int, ScalingMe
         if not data:
             return {}
         if unsafe_extra_state.get() <= 0:
+            described = describe_pickle(data, TE_ALLOW_LIST)
             raise ValueError(
-                f"{owner}: refusing a pickled extra state ({describe_pickle(data)}); fastcast "
+                f"{owner}: refusing a pickled extra state ({described}); fastcast "
                 "does not unpickle checkpoint state unless asked to. It most likely comes "
                 "from another FP8 library (TransformerEngine stores its scales this way). To "
                 "start the scales afresh, drop it (fc.strip_extra_state(state_dict)) and "
@@ -182,7 +183,7 @@ def decode_extra_state(state: Any, owner: str = "module") -> dict[int, ScalingMe
                 "unpickler (tensors, containers and TransformerEngine's recipe classes only) "
                 "and converts TransformerEngine's delayed-scaling state."
             )
-        return _decode_unpickled(unpickle(data, owner), owner)
+        return _decode_unpickled(unpickle(data, owner, TE_ALLOW_LIST), owner)
     raise ValueError(f"{owner}: unrecognised extra state of type {type(state).__name__}")
 
 

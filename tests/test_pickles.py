@@ -26,7 +26,7 @@ import torch
 
 import fastcast as fc
 from fastcast import pickles
-from fastcast.te_state import TE_RECIPE_MODULE, TE_STAND_INS
+from fastcast.te_state import TE_ALLOW_LIST, TE_RECIPE_MODULE, TE_STAND_INS
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -366,7 +366,9 @@ def test_the_restricted_unpickler_alone_refuses_by_name(name, tmp_path):
     # Below the description: the unpickler's own allow-list, given the payload directly.
     marker = tmp_path / "pwned"
     with pytest.raises(pickle.UnpicklingError, match=r"(?i)not allowed|unsupported global"):
-        pickles._RestrictedUnpickler(io.BytesIO(CORPUS[name][0](str(marker)))).load()
+        pickles._RestrictedUnpickler(
+            io.BytesIO(CORPUS[name][0](str(marker))), TE_ALLOW_LIST
+        ).load()
     assert not marker.exists()
 
 
@@ -374,7 +376,7 @@ def test_the_restricted_unpickler_alone_refuses_by_name(name, tmp_path):
 def test_the_restricted_archive_loader_alone_refuses_by_name(name, tmp_path):
     marker = tmp_path / "pwned"
     with pytest.raises(pickle.UnpicklingError, match=f"{SYSTEM} is not allowed"):
-        pickles._load_archive(CORPUS[name][0](str(marker)))
+        pickles._load_archive(CORPUS[name][0](str(marker)), TE_ALLOW_LIST)
     assert not marker.exists()
 
 
@@ -390,13 +392,13 @@ def test_nested_bytes_load_with_weights_only(tmp_path):
 
 # -- what the description says ------------------------------------------------------------------
 def _describe(data: bytes) -> str:
-    return pickles.describe_pickle(data)
+    return pickles.describe_pickle(data, TE_ALLOW_LIST)
 
 
 def test_transformer_engine_forms_describe_in_full():
     state = {"scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(4, 3)}
     for data in (pickle.dumps(state), _torch_save(state)):
-        report = pickles.inspect_pickle(data)
+        report = pickles.inspect_pickle(data, TE_ALLOW_LIST)
         assert report.loadable, str(report)
         text = str(report)
         assert "torch._utils._rebuild_tensor_v2 (called)" in text
@@ -449,7 +451,7 @@ def test_a_malformed_pickle_still_names_what_runs_before_the_fault():
     broken = pickle.dumps({"a": 1})[:-3]
     assert not pickles.inspect_pickle(broken).loadable
     with pytest.raises(ValueError, match="refusing to unpickle.*ends inside"):
-        pickles.unpickle(broken, "test")
+        pickles.unpickle(broken, "test", TE_ALLOW_LIST)
 
 
 def test_every_pickle_entry_of_an_archive_is_read():
@@ -596,7 +598,7 @@ def test_transformer_engine_classes_become_stand_ins_without_importing_it():
     data += pickle.NEWOBJ + pickle.EMPTY_DICT + _text("margin") + pickle.NONE + pickle.SETITEM
     data += pickle.BUILD + pickle.STOP
     before = set(sys.modules)
-    obj = pickles.unpickle(data, "test")
+    obj = pickles.unpickle(data, "test", TE_ALLOW_LIST)
     assert type(obj) is TE_STAND_INS["DelayedScaling"] and obj.state == {"margin": None}
     assert not any(m.startswith("transformer_engine") for m in set(sys.modules) - before)
 
@@ -605,7 +607,7 @@ def test_other_transformer_engine_globals_are_refused():
     data = PROTO2 + _global(TE_RECIPE_MODULE, "CustomRecipe") + pickle.EMPTY_TUPLE
     data += pickle.REDUCE + pickle.STOP
     with pytest.raises(ValueError, match="CustomRecipe"):
-        pickles.unpickle(data, "test")
+        pickles.unpickle(data, "test", TE_ALLOW_LIST)
 
 
 @pytest.mark.parametrize(
@@ -623,16 +625,17 @@ def test_allowed_globals_cannot_be_changed_by_build(target):
     data = PROTO2 + target + state + pickle.TUPLE2 + pickle.BUILD + pickle.STOP
     assert "unknown" in _describe(data)  # refused before loading...
     with pytest.raises((AttributeError, TypeError)):  # ...and unable to even so
-        pickles._RestrictedUnpickler(io.BytesIO(data)).load()
+        pickles._RestrictedUnpickler(io.BytesIO(data), TE_ALLOW_LIST).load()
     assert TE_STAND_INS["DelayedScaling"].__reduce__ is not None
-    assert pickles._allowed("torch", "FloatStorage").dtype == torch.float32
+    assert TE_ALLOW_LIST.get("torch", "FloatStorage").dtype == torch.float32
 
 
 def test_a_tensor_must_fit_its_storage():
     storage = pickles._Storage(torch.UntypedStorage(8), torch.float32)
     assert pickles._rebuild_tensor(storage, 0, (2,), (1,)).shape == (2,)
-    for offset, size, stride in [(0, (3,), (1,)), (1, (2,), (1,)), (0, (2, 2), (1, 1))]:
-        with pytest.raises(pickle.UnpicklingError, match="past the end"):
+    cases = [(0, (3,), (1,)), (1, (2,), (1,)), (0, (2, 2), (1, 1)), (0, (1 << 26, 3), (0, 0))]
+    for offset, size, stride in cases:  # the last: a stride-0 view claiming 200M elements
+        with pytest.raises(pickle.UnpicklingError, match="past the end|storage holds"):
             pickles._rebuild_tensor(storage, offset, size, stride)
     with pytest.raises(pickle.UnpicklingError, match="hooks"):
         pickles._rebuild_tensor(storage, 0, (2,), (1,), False, {"hook": print})
@@ -642,7 +645,8 @@ def test_a_tensor_must_fit_its_storage():
 def test_plain_containers_and_python_2_spellings_load():
     value = {"a": [1, 2.0, None], "b": (True, "x"), "c": {3}, "d": frozenset({4})}
     for protocol in range(6):
-        assert pickles.unpickle(pickle.dumps(value, protocol=protocol), "test") == value
+        loaded = pickles.unpickle(pickle.dumps(value, protocol=protocol), "test", TE_ALLOW_LIST)
+        assert loaded == value
 
 
 def test_the_allow_list_is_exact():
@@ -654,5 +658,5 @@ def test_the_allow_list_is_exact():
         (TE_RECIPE_MODULE, "DelayedScaling.__init__"),
         ("functools", "partial"),
     ]:
-        assert pickles._allowed(module, name) is None
-    assert pickles._allowed("__builtin__", "set") is set  # Python 2's spelling
+        assert TE_ALLOW_LIST.get(module, name) is None
+    assert TE_ALLOW_LIST.get("__builtin__", "set") is set  # Python 2's spelling
