@@ -1186,7 +1186,9 @@ _STORAGE_DTYPES = {
     "ComplexDoubleStorage": torch.complex128,
     "UntypedStorage": torch.uint8,
 }
-_TENSOR_REBUILDS = frozenset({("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2")})
+_TENSOR_REBUILDS = frozenset(
+    {("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2")}
+)
 
 
 def _load_nested_storage(data: Any) -> _Storage:
@@ -1303,7 +1305,9 @@ def _storage_id(pid: Any, length: int) -> tuple[_StorageType, str, int]:
 class _ArchiveUnpickler(_RestrictedUnpickler):
     """Unpickles a torch.save archive's ``data.pkl``, reading its storages from the archive."""
 
-    def __init__(self, file: Any, allowed: AllowList, archive: zipfile.ZipFile, prefix: str) -> None:
+    def __init__(
+        self, file: Any, allowed: AllowList, archive: zipfile.ZipFile, prefix: str
+    ) -> None:
         super().__init__(file, allowed)
         self._archive = archive
         self._prefix = prefix
@@ -1419,7 +1423,9 @@ def _load_stream(data: bytes, allowed: AllowList) -> Any:
     for key in keys:
         storage = unpickler.storages.get(key)
         if storage is None:
-            raise pickle.UnpicklingError(f"a legacy torch.save stream without storage {_clip(key)!r}")
+            raise pickle.UnpicklingError(
+                f"a legacy torch.save stream without storage {_clip(key)!r}"
+            )
         header = file.read(8)
         expected = storage.untyped.nbytes()
         if len(header) < 8 or struct.unpack("<q", header)[0] * storage.dtype.itemsize != expected:

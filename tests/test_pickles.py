@@ -366,9 +366,7 @@ def test_the_restricted_unpickler_alone_refuses_by_name(name, tmp_path):
     # Below the description: the unpickler's own allow-list, given the payload directly.
     marker = tmp_path / "pwned"
     with pytest.raises(pickle.UnpicklingError, match=r"(?i)not allowed|unsupported global"):
-        pickles._RestrictedUnpickler(
-            io.BytesIO(CORPUS[name][0](str(marker))), TE_ALLOW_LIST
-        ).load()
+        pickles._RestrictedUnpickler(io.BytesIO(CORPUS[name][0](str(marker))), TE_ALLOW_LIST).load()
     assert not marker.exists()
 
 
