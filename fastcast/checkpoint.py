@@ -193,6 +193,7 @@ def _decode_tensor(state: torch.Tensor, owner: str) -> dict[int, ScalingMeta]:
     def refuse(problem: str) -> ValueError:
         return ValueError(f"{owner}: {problem}")
 
+    _check_holds(state, owner, "extra state")
     if state.dtype != torch.float32 or state.dim() != 1 or state.numel() < 4:
         raise refuse(
             f"extra state is a {state.dtype} tensor of shape {tuple(state.shape)}; fastcast's "
@@ -298,6 +299,19 @@ def _decode_tensor(state: torch.Tensor, owner: str) -> dict[int, ScalingMeta]:
     return _metas(parts, owner, checked)
 
 
+def _check_holds(tensor: Any, owner: str, what: str) -> None:
+    """Refuse a tensor that claims more elements than its storage holds (a stride-0 view
+    of a few bytes in a file can claim millions, which any copy would then allocate)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+        return
+    held = tensor.untyped_storage().nbytes() // tensor.element_size() - tensor.storage_offset()
+    if tensor.numel() > max(held, 0):
+        raise ValueError(
+            f"{owner}: {what} claims {tensor.numel()} values (shape {tuple(tensor.shape)}) but "
+            f"its storage holds {max(held, 0)}; refusing it before copying"
+        )
+
+
 def _metas(
     parts: dict[int, tuple[torch.Tensor, torch.Tensor, ScalingOrigin]],
     owner: str,
@@ -308,6 +322,8 @@ def _metas(
     metas = {}
     for direction, (history, scale, origin) in parts.items():
         name = "forward" if direction == FORWARD else "backward"
+        _check_holds(history, owner, f"{name} amax history")
+        _check_holds(scale, owner, f"{name} scale")
         if not checked:
             try:
                 check_scaling_tensors(history, scale)

@@ -97,8 +97,36 @@ def _decoy_archive(marker: str) -> bytes:
     return out.getvalue()
 
 
+def _int_first(data: bytes) -> bytes:
+    """``data`` behind ``INT 0x10`` and ``POP``: pickle reads INT in base 0 (a model reading
+    base 10 would stop at the first byte and describe nothing)."""
+    return b"I0x10\n" + pickle.POP + data
+
+
+def _int_first_archive(marker: str) -> bytes:
+    """A torch.save archive whose data.pkl starts with ``INT 0x10``."""
+    real = zipfile.ZipFile(io.BytesIO(_torch_save(_Reduce(os.system, _shell(marker)))))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        for info in real.infolist():
+            data = real.read(info)
+            if info.filename.endswith("/data.pkl"):
+                data = _int_first(data)
+            archive.writestr(info.filename, data)
+    return out.getvalue()
+
+
 # name -> (payload builder given the marker path, what both messages must contain)
 CORPUS = {
+    "INT-in-base-0-first-raw-pickle": (
+        lambda m: _int_first(pickle.dumps(_Reduce(os.system, _shell(m)), protocol=2)),
+        (f"{SYSTEM} (called)",),
+    ),
+    "INT-in-base-0-first-legacy-torch.save-stream": (  # its magic-number pickle
+        lambda m: _int_first(_torch_save(_Reduce(os.system, _shell(m)), legacy=True)),
+        (f"{SYSTEM} (called)",),
+    ),
+    "INT-in-base-0-first-torch.save-archive": (_int_first_archive, (f"{SYSTEM} (called)",)),
     **{
         f"os.system-protocol-{p}": (
             lambda m, p=p: pickle.dumps(_Reduce(os.system, _shell(m)), protocol=p),
@@ -324,14 +352,16 @@ def _load_extra(module, payload):
 
 
 def _stock_load(data: bytes) -> None:
-    """What an ordinary loader does with the payload (TransformerEngine's, say)."""
-    try:
-        if data.startswith(pickles.ZIP_MAGIC):
-            torch.load(io.BytesIO(data), weights_only=False)
-        else:
-            pickle.loads(data)
-    except Exception:  # noqa: BLE001 - some payloads fail after their effect
-        pass
+    """What ordinary loaders do with the payload (TransformerEngine 2.x: pickle.loads;
+    1.x: torch.load, which reads a legacy stream's pickles one after another)."""
+    loaders = [lambda: torch.load(io.BytesIO(data), weights_only=False)]
+    if not data.startswith(pickles.ZIP_MAGIC):
+        loaders.append(lambda: pickle.loads(data))
+    for load in loaders:
+        try:
+            load()
+        except Exception:  # noqa: BLE001 - some payloads fail after their effect
+            pass
 
 
 @pytest.mark.parametrize("name", CORPUS)
@@ -361,16 +391,19 @@ def test_hostile_payload_never_runs(name, form, tmp_path):
         assert "importing nothing" not in message
 
 
-@pytest.mark.parametrize("name", [n for n in CORPUS if not n.startswith("torch.save-archive")])
+_ARCHIVES = ("torch.save-archive", "INT-in-base-0-first-torch.save-archive")
+
+
+@pytest.mark.parametrize("name", [n for n in CORPUS if not n.startswith(_ARCHIVES)])
 def test_the_restricted_unpickler_alone_refuses_by_name(name, tmp_path):
     # Below the description: the unpickler's own allow-list, given the payload directly.
     marker = tmp_path / "pwned"
     with pytest.raises(pickle.UnpicklingError, match=r"(?i)not allowed|unsupported global"):
-        pickles._RestrictedUnpickler(io.BytesIO(CORPUS[name][0](str(marker))), TE_ALLOW_LIST).load()
+        pickles._load_stream(CORPUS[name][0](str(marker)), TE_ALLOW_LIST)
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("name", [n for n in CORPUS if n.startswith("torch.save-archive")])
+@pytest.mark.parametrize("name", [n for n in CORPUS if n.startswith(_ARCHIVES)])
 def test_the_restricted_archive_loader_alone_refuses_by_name(name, tmp_path):
     marker = tmp_path / "pwned"
     with pytest.raises(pickle.UnpicklingError, match=f"{SYSTEM} is not allowed"):
