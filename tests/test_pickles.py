@@ -10,9 +10,11 @@ payload would run, or say that it is unknown, never list only harmless globals.
 from __future__ import annotations
 
 import builtins
+import collections
 import io
 import os
 import pickle
+import pickletools
 import shlex
 import struct
 import subprocess
@@ -23,6 +25,8 @@ import zipfile
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fastcast as fc
 from fastcast import pickles
@@ -691,3 +695,270 @@ def test_the_allow_list_is_exact():
     ]:
         assert TE_ALLOW_LIST.get(module, name) is None
     assert TE_ALLOW_LIST.get("__builtin__", "set") is set  # Python 2's spelling
+
+
+# -- the model against pickle itself ---------------------------------------------------------
+class _Point:
+    """A class with instance state: pickles as NEWOBJ/REDUCE then BUILD."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __eq__(self, other):
+        return type(other) is _Point and (self.x, self.y) == (other.x, other.y)
+
+
+_SAFE_GLOBALS = {
+    ("builtins", "complex"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "bytearray"),
+    ("builtins", "bytes"),
+    ("builtins", "object"),
+    ("collections", "OrderedDict"),
+    ("_codecs", "encode"),
+    ("copyreg", "_reconstructor"),
+    ("copyreg", "__newobj__"),
+    (__name__, "_Point"),
+}
+
+
+class _RecordingUnpickler(pickle.Unpickler):
+    """pickle itself, resolving only the benign globals the generated trees use, and
+    recording every global it is asked for (as the pickle spells it)."""
+
+    def __init__(self, data):
+        super().__init__(io.BytesIO(data))
+        self.asked = []
+
+    def find_class(self, module, name):
+        self.asked.append((module, name))
+        found = super().find_class(module, name)
+        key = (found.__module__, found.__qualname__)
+        if key not in _SAFE_GLOBALS and (module, name) not in _SAFE_GLOBALS:
+            raise AssertionError(f"a generated pickle asked for {module}.{name}")
+        return found
+
+
+_leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(min_value=-(2**200), max_value=2**200),
+    st.floats(allow_nan=False),
+    st.complex_numbers(allow_nan=False),
+    st.text(max_size=20),
+    st.binary(max_size=20),
+    st.builds(bytearray, st.binary(max_size=8)),
+)
+_trees = st.recursive(
+    _leaves,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.tuples(inner, inner),
+        st.lists(inner, max_size=4).map(tuple),
+        st.dictionaries(st.text(max_size=5), inner, max_size=4),
+        st.dictionaries(st.text(max_size=5), inner, max_size=3).map(collections.OrderedDict),
+        st.frozensets(st.integers(), max_size=4),
+        st.sets(st.text(max_size=3), max_size=4),
+        st.builds(_Point, inner, inner),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(tree=_trees, protocol=st.integers(0, 5), shared=st.booleans())
+def test_the_model_reads_every_benign_pickle_as_pickle_does(tree, protocol, shared):
+    obj = [tree, tree] if shared else tree  # shared: the memo in use
+    data = pickle.dumps(obj, protocol=protocol)
+    ops = list(pickletools.genops(data))
+    # Opcode for opcode: as many as pickletools reads, ending where it ends.
+    report = pickles.PickleReport(len(data), "pickle")
+    model = pickles._Model(report, None)
+    end = pickles._Machine(model, 0).run(data, 0, len(data))
+    assert model.opcodes == len(ops) and end == ops[-1][2] + 1 == len(data)
+    # What pickle imports is what the description lists, and nothing is unknown.
+    unpickler = _RecordingUnpickler(data)
+    assert unpickler.load() == obj
+    expected = {
+        ".".join(pickles._old_name(m, n) if protocol < 3 else (m, n)) for m, n in unpickler.asked
+    }
+    report = pickles.inspect_pickle(data)
+    assert set(report.imports) == expected
+    assert not (report.unknown or report.failures or report.too_large), str(report)
+
+
+# Protocol 0 arguments are text; these bytes make up numbers, strings and near misses.
+_ARG_BYTES = b"0123456789xXoObB_+-. \t\x00\x0b\x0c\reEinfaINFAL'\"\\"
+_arg_lines = st.lists(st.sampled_from(list(_ARG_BYTES)), max_size=8).map(bytes)
+
+
+def _pickle_accepts(data, **kwargs):
+    try:
+        pickle.loads(data, **kwargs)
+    except Exception:  # noqa: BLE001 - any error: pickle stops there
+        return False
+    return True
+
+
+@settings(max_examples=400, deadline=None)
+@given(opcode=st.sampled_from([b"I", b"L", b"F", b"S", b"V", b"Np"]), line=_arg_lines)
+def test_text_arguments_are_read_as_pickle_reads_them(opcode, line):
+    data = opcode + line + b"\n."
+    report = pickles.inspect_pickle(data)
+    stopped = bool(report.failures)
+    assert not report.too_large and not report.unknown, str(report)
+    # STRING is decoded with the loader's encoding; latin-1 never fails.
+    assert stopped == (not _pickle_accepts(data, encoding="latin-1")), (data, str(report))
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b"0x10", b"010", b"1_0", b"-0b11", b"0o7", b" 12 ", b"12\x00junk", b"\x00", b"9" * 30],
+)
+def test_int_arguments_pickle_accepts_are_numbers(line):
+    data = b"I" + line + b"\n" + pickle.POP + PROTO2 + _global(SYS_MODULE, SYS_NAME) + b"."
+    assert _pickle_accepts(b"I" + line + b"\n.")
+    assert f"importing {SYSTEM}" in _describe(data)
+
+
+# -- what messages show --------------------------------------------------------------------------
+def test_control_characters_in_names_are_escaped_in_every_message():
+    hidden = "posix\x1b[2K\r"  # erase the line, return: a terminal would hide the name
+    data = PROTO4 + _text(hidden) + _text("sys\u202etem") + pickle.STACK_GLOBAL
+    data += _text("true") + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP
+    lin = fc.Linear(4, 4)
+    messages = []
+    with pytest.raises(ValueError, match="refusing") as refused:
+        _load_extra(lin, data)
+    messages.append(str(refused.value))
+    with fc.allow_unsafe_extra_state(), pytest.raises(ValueError, match="refusing") as opted:
+        _load_extra(lin, data)
+    messages.append(str(opted.value))
+    with pytest.raises(pickle.UnpicklingError) as unpickler:
+        pickles._load_stream(data, TE_ALLOW_LIST)
+    messages.append(str(unpickler.value))
+    for message in messages:
+        assert message.isprintable(), repr(message)
+        assert "posix\\x1b[2K\\r.sys\\u202etem" in message
+
+
+# -- amplification: bounded by what the payload holds --------------------------------------------
+def test_encoding_a_memoized_text_in_a_loop_is_bounded():
+    # Each loop is 8 bytes that encode 15 kB: 600 MB modelled from 240 kB without a budget.
+    loop = _get(0) + _get(1) + _get(2) + pickle.TUPLE2 + pickle.REDUCE
+    data = PROTO2 + _global("_codecs", "encode") + pickle.BINPUT + b"\x00"
+    data += _text("x" * 15_000) + pickle.BINPUT + b"\x01" + _text("latin1") + pickle.BINPUT
+    data += b"\x02" + loop * 30_000 + pickle.STOP
+    assert len(data) < 256 << 10
+    text, elapsed, peak = _timed_describe(data)
+    assert "too large to describe" in text and "_codecs.encode" in text
+    assert elapsed < 5 and peak < 100 << 20
+
+
+def _rss_kib():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS"):
+                return int(line.split()[1])
+    return 0
+
+
+def _bounded(call, seconds=5, mib=100):
+    """Run ``call`` and assert it stays within ``seconds`` and ``mib`` of new memory."""
+    tracemalloc.start()
+    rss = _rss_kib()
+    start = time.perf_counter()
+    try:
+        call()
+    finally:
+        elapsed = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert elapsed < seconds and peak < mib << 20
+    assert _rss_kib() - rss < mib << 10
+
+
+def test_a_stride_0_history_is_refused_before_copying():
+    history = torch.ones(1).expand(1 << 25, 3)  # 100M values claimed, 4 bytes held
+    data = pickle.dumps({"scale_fwd": torch.ones(3), "amax_history_fwd": history})
+    assert len(data) < 4096
+    lin = fc.Linear(4, 4)
+
+    def load():
+        with fc.allow_unsafe_extra_state(), pytest.raises(ValueError, match="storage holds 1"):
+            _load_extra(lin, data)
+
+    _bounded(load)
+
+
+def _tensor_given_a_state(claim):
+    """A pickled tensor, then BUILD with (itself, 0, (claim,), (1,)): Tensor.__setstate__
+    would call set_ and grow the storage to ``claim`` elements."""
+    data = pickle.dumps(torch.ones(2), protocol=2)[:-1] + pickle.BINPUT + b"\xc8"
+    state = pickle.MARK + pickle.BINGET + b"\xc8" + pickle.BININT1 + b"\x00"
+    state += pickle.BININT + struct.pack("<i", claim) + pickle.TUPLE1
+    state += pickle.BININT1 + b"\x01" + pickle.TUPLE1 + pickle.TUPLE
+    return data + state + pickle.BUILD + pickle.STOP
+
+
+def test_a_tensor_given_a_state_is_refused():
+    data = _tensor_given_a_state(1 << 27)
+    lin = fc.Linear(4, 4)
+
+    def load():
+        with (
+            fc.allow_unsafe_extra_state(),
+            pytest.raises(
+                ValueError, match=r"sets the state of a torch._utils._rebuild_tensor_v2 object"
+            ),
+        ):
+            _load_extra(lin, data)
+        # Below the description, the unpickler refuses it too.
+        with pytest.raises(pickle.UnpicklingError, match="tensor given a state"):
+            pickles._load_stream(data, TE_ALLOW_LIST)
+
+    _bounded(load)
+
+
+def test_a_compressed_storage_is_refused():
+    source = zipfile.ZipFile(io.BytesIO(_torch_save(torch.zeros(8 << 20)[:2])))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as archive:
+        for info in source.infolist():
+            archive.writestr(info.filename, source.read(info))
+    data = out.getvalue()
+    assert len(data) < 1 << 20  # 32 MiB of storage behind a view of two values
+    with pytest.raises(pickle.UnpicklingError, match="compressed"):
+        pickles._load_archive(data, TE_ALLOW_LIST)
+
+
+# -- loaded state is plain data ------------------------------------------------------------------
+def test_loaded_tensors_take_no_part_in_autograd():
+    state = {
+        "scale_fwd": torch.ones(3, requires_grad=True),
+        "amax_history_fwd": torch.ones(4, 3, requires_grad=True),
+        "scale_bwd": torch.ones(2, requires_grad=True),
+        "amax_history_bwd": torch.ones(4, 2, requires_grad=True),
+    }
+    lin = fc.Linear(16, 16)
+    with fc.allow_unsafe_extra_state():
+        _load_extra(lin, pickle.dumps(state))
+    # Scales that required grad would grow a graph with every in-place update.
+    assert lin._metas.keys() == {0, 1}
+    for meta in lin._metas.values():
+        for tensor in (meta.scale, meta.history):
+            assert not tensor.requires_grad and tensor.grad_fn is None
+
+
+def test_an_ordered_dict_given_its_own_get_is_refused_naming_the_module():
+    data = PROTO2 + _global("collections", "OrderedDict") + pickle.EMPTY_TUPLE + pickle.REDUCE
+    data += pickle.EMPTY_DICT + _text("get") + _global("builtins", "set") + pickle.SETITEM
+    data += pickle.BUILD + _text("scale_fwd") + pickle.NONE + pickle.SETITEM + pickle.STOP
+    lin = fc.Linear(4, 4)
+    with fc.allow_unsafe_extra_state(), pytest.raises(ValueError) as refused:
+        _load_extra(lin, data)
+    assert "fc.Linear" in str(refused.value) and "OrderedDict" in str(refused.value)
+    with pytest.raises(pickle.UnpicklingError, match="OrderedDict given a state"):
+        pickles._load_stream(data, TE_ALLOW_LIST)
