@@ -120,8 +120,22 @@ def _int_first_archive(marker: str) -> bytes:
     return out.getvalue()
 
 
+def _framed_past_stop(marker: str) -> bytes:
+    """A legacy torch.save stream whose first pickle is framed with decoy pickles after its
+    STOP: torch.load reads the whole frame, so its next pickle starts after the decoys (a
+    model reading on from the STOP would spend its five pickles on them)."""
+    stream = _torch_save(_Reduce(os.system, _shell(marker)), legacy=True)
+    first = len(pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2))
+    frame = stream[2:first] + (pickle.NONE + pickle.STOP) * 4
+    return PROTO4 + pickle.FRAME + struct.pack("<Q", len(frame)) + frame + stream[first:]
+
+
 # name -> (payload builder given the marker path, what both messages must contain)
 CORPUS = {
+    "legacy-torch.save-stream-framed-past-its-first-STOP": (
+        _framed_past_stop,
+        (f"{SYSTEM} (called)",),
+    ),
     "INT-in-base-0-first-raw-pickle": (
         lambda m: _int_first(pickle.dumps(_Reduce(os.system, _shell(m)), protocol=2)),
         (f"{SYSTEM} (called)",),
