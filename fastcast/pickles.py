@@ -467,8 +467,8 @@ class _Machine:
 
     Opcode arguments are read as CPython's ``_pickle`` reads them, so the model stops
     exactly where a malformed argument stops ``pickle``. Where an ordinary unpickler would
-    fail on the stack or memo instead (popping an empty stack, reading a memo entry never
-    stored) the model goes on with ``_NOTHING``: it may report more than would run, never
+    fail on the stack instead (popping an empty stack, a missing mark) the model goes on
+    with ``_NOTHING``: it may report more than would run, never
     less.
 
     Frames: ``pickle.loads`` reads bytes in place, while an unpickler reading a file (how
@@ -613,7 +613,9 @@ class _Machine:
         self.push(self.top())
 
     def op_get(self, arg: Any) -> None:
-        self.push(self.memo.get(arg, _NOTHING))
+        if arg not in self.memo:  # where pickle stops: "Memo value not found at index"
+            raise _Malformed(f"it reads memo entry {arg}, never stored")
+        self.push(self.memo[arg])
 
     def op_put(self, arg: Any) -> None:
         self.remember(arg)

@@ -25,7 +25,7 @@ import zipfile
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import fastcast as fc
@@ -817,12 +817,13 @@ def _pickle_accepts(data, **kwargs):
 
 
 @settings(max_examples=400, deadline=None)
-@given(opcode=st.sampled_from([b"I", b"L", b"F", b"S", b"V", b"Np"]), line=_arg_lines)
+@given(opcode=st.sampled_from([b"I", b"L", b"F", b"S", b"V", b"Np", b"Np3\ng"]), line=_arg_lines)
 def test_text_arguments_are_read_as_pickle_reads_them(opcode, line):
     data = opcode + line + b"\n."
     report = pickles.inspect_pickle(data)
+    assume(not report.too_large)  # a PUT index past the memo cap: not described at all
     stopped = bool(report.failures)
-    assert not report.too_large and not report.unknown, str(report)
+    assert not report.unknown, str(report)
     # STRING is decoded with the loader's encoding; latin-1 never fails.
     assert stopped == (not _pickle_accepts(data, encoding="latin-1")), (data, str(report))
 
