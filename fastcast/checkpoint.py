@@ -57,9 +57,10 @@ from .delayed import (
     ScalingOrigin,
     check_scaling_tensors,
 )
-from .pickles import describe_pickle, payload_bytes, unpickle
+from .pickles import describe_pickle, payload_bytes
 from .state import unsafe_extra_state
 from .te_state import TE_ALLOW_LIST, TE_KEYS, describe_items, from_transformer_engine, hashable
+from .unpickling import unpickle
 
 EXTRA_STATE_KEY = "_extra_state"  # nn.Module's name for it in state dicts
 MAGIC = 0xFCA570

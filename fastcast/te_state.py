@@ -1,7 +1,7 @@
 """TransformerEngine's delayed-scaling extra state, converted to fastcast's.
 
 Used only on an unpickled payload, that is inside ``fc.allow_unsafe_extra_state()``.
-``TE_ALLOW_LIST`` is what the restricted unpickler (``pickles.py``, which knows no
+``TE_ALLOW_LIST`` is what the restricted unpickler (``unpickling.py``, which knows no
 library's format) may build from TransformerEngine's extra state: plain data and tensors,
 and stand-ins for TransformerEngine's recipe classes, which it pickles next to the scales.
 """
@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from .delayed import BACKWARD, FORWARD, ScalingMeta
-from .pickles import TORCH_ALLOW_LIST, AllowList
+from .pickles import AllowList
+from .unpickling import TORCH_ALLOW_LIST
 
 TE_RECIPE_MODULE = "transformer_engine.common.recipe"
 # The classes of that module a TransformerEngine recipe object is pickled with: the recipes

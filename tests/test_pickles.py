@@ -29,7 +29,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import fastcast as fc
-from fastcast import pickles
+from fastcast import pickles, unpickling
 from fastcast.te_state import TE_ALLOW_LIST, TE_RECIPE_MODULE, TE_STAND_INS
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -417,7 +417,7 @@ def test_the_restricted_unpickler_alone_refuses_by_name(name, tmp_path):
     # Below the description: the unpickler's own allow-list, given the payload directly.
     marker = tmp_path / "pwned"
     with pytest.raises(pickle.UnpicklingError, match=r"(?i)not allowed|unsupported global"):
-        pickles._load_stream(CORPUS[name][0](str(marker)), TE_ALLOW_LIST)
+        unpickling._load_stream(CORPUS[name][0](str(marker)), TE_ALLOW_LIST)
     assert not marker.exists()
 
 
@@ -425,7 +425,7 @@ def test_the_restricted_unpickler_alone_refuses_by_name(name, tmp_path):
 def test_the_restricted_archive_loader_alone_refuses_by_name(name, tmp_path):
     marker = tmp_path / "pwned"
     with pytest.raises(pickle.UnpicklingError, match=f"{SYSTEM} is not allowed"):
-        pickles._load_archive(CORPUS[name][0](str(marker)), TE_ALLOW_LIST)
+        unpickling._load_archive(CORPUS[name][0](str(marker)), TE_ALLOW_LIST)
     assert not marker.exists()
 
 
@@ -435,7 +435,7 @@ def test_nested_bytes_load_with_weights_only(tmp_path):
     marker = tmp_path / "pwned"
     inner = _torch_save(_Reduce(os.system, _shell(str(marker))), legacy=True)
     with pytest.raises(pickle.UnpicklingError):
-        pickles._load_nested_storage(inner)
+        unpickling._load_nested_storage(inner)
     assert not marker.exists()
 
 
@@ -500,7 +500,7 @@ def test_a_malformed_pickle_still_names_what_runs_before_the_fault():
     broken = pickle.dumps({"a": 1})[:-3]
     assert not pickles.inspect_pickle(broken).loadable
     with pytest.raises(ValueError, match="refusing to unpickle.*ends inside"):
-        pickles.unpickle(broken, "test", TE_ALLOW_LIST)
+        unpickling.unpickle(broken, "test", TE_ALLOW_LIST)
 
 
 def test_every_pickle_entry_of_an_archive_is_read():
@@ -647,7 +647,7 @@ def test_transformer_engine_classes_become_stand_ins_without_importing_it():
     data += pickle.NEWOBJ + pickle.EMPTY_DICT + _text("margin") + pickle.NONE + pickle.SETITEM
     data += pickle.BUILD + pickle.STOP
     before = set(sys.modules)
-    obj = pickles.unpickle(data, "test", TE_ALLOW_LIST)
+    obj = unpickling.unpickle(data, "test", TE_ALLOW_LIST)
     assert type(obj) is TE_STAND_INS["DelayedScaling"] and obj.state == {"margin": None}
     assert not any(m.startswith("transformer_engine") for m in set(sys.modules) - before)
 
@@ -656,7 +656,7 @@ def test_other_transformer_engine_globals_are_refused():
     data = PROTO2 + _global(TE_RECIPE_MODULE, "CustomRecipe") + pickle.EMPTY_TUPLE
     data += pickle.REDUCE + pickle.STOP
     with pytest.raises(ValueError, match="CustomRecipe"):
-        pickles.unpickle(data, "test", TE_ALLOW_LIST)
+        unpickling.unpickle(data, "test", TE_ALLOW_LIST)
 
 
 @pytest.mark.parametrize(
@@ -674,27 +674,27 @@ def test_allowed_globals_cannot_be_changed_by_build(target):
     data = PROTO2 + target + state + pickle.TUPLE2 + pickle.BUILD + pickle.STOP
     assert "unknown" in _describe(data)  # refused before loading...
     with pytest.raises((AttributeError, TypeError)):  # ...and unable to even so
-        pickles._RestrictedUnpickler(io.BytesIO(data), TE_ALLOW_LIST).load()
+        unpickling._RestrictedUnpickler(io.BytesIO(data), TE_ALLOW_LIST).load()
     assert TE_STAND_INS["DelayedScaling"].__reduce__ is not None
     assert TE_ALLOW_LIST.get("torch", "FloatStorage").dtype == torch.float32
 
 
 def test_a_tensor_must_fit_its_storage():
-    storage = pickles._Storage(torch.UntypedStorage(8), torch.float32)
-    assert pickles._rebuild_tensor(storage, 0, (2,), (1,)).shape == (2,)
+    storage = unpickling._Storage(torch.UntypedStorage(8), torch.float32)
+    assert unpickling._rebuild_tensor(storage, 0, (2,), (1,)).shape == (2,)
     cases = [(0, (3,), (1,)), (1, (2,), (1,)), (0, (2, 2), (1, 1)), (0, (1 << 26, 3), (0, 0))]
     for offset, size, stride in cases:  # the last: a stride-0 view claiming 200M elements
         with pytest.raises(pickle.UnpicklingError, match="past the end|storage holds"):
-            pickles._rebuild_tensor(storage, offset, size, stride)
+            unpickling._rebuild_tensor(storage, offset, size, stride)
     with pytest.raises(pickle.UnpicklingError, match="hooks"):
-        pickles._rebuild_tensor(storage, 0, (2,), (1,), False, {"hook": print})
+        unpickling._rebuild_tensor(storage, 0, (2,), (1,), False, {"hook": print})
     assert storage.untyped.nbytes() == 8
 
 
 def test_plain_containers_and_python_2_spellings_load():
     value = {"a": [1, 2.0, None], "b": (True, "x"), "c": {3}, "d": frozenset({4})}
     for protocol in range(6):
-        loaded = pickles.unpickle(pickle.dumps(value, protocol=protocol), "test", TE_ALLOW_LIST)
+        loaded = unpickling.unpickle(pickle.dumps(value, protocol=protocol), "test", TE_ALLOW_LIST)
         assert loaded == value
 
 
@@ -852,7 +852,7 @@ def test_control_characters_in_names_are_escaped_in_every_message():
         _load_extra(lin, data)
     messages.append(str(opted.value))
     with pytest.raises(pickle.UnpicklingError) as unpickler:
-        pickles._load_stream(data, TE_ALLOW_LIST)
+        unpickling._load_stream(data, TE_ALLOW_LIST)
     messages.append(str(unpickler.value))
     for message in messages:
         assert message.isprintable(), repr(message)
@@ -932,7 +932,7 @@ def test_a_tensor_given_a_state_is_refused():
             _load_extra(lin, data)
         # Below the description, the unpickler refuses it too.
         with pytest.raises(pickle.UnpicklingError, match="tensor given a state"):
-            pickles._load_stream(data, TE_ALLOW_LIST)
+            unpickling._load_stream(data, TE_ALLOW_LIST)
 
     _bounded(load)
 
@@ -946,7 +946,7 @@ def test_a_compressed_storage_is_refused():
     data = out.getvalue()
     assert len(data) < 1 << 20  # 32 MiB of storage behind a view of two values
     with pytest.raises(pickle.UnpicklingError, match="compressed"):
-        pickles._load_archive(data, TE_ALLOW_LIST)
+        unpickling._load_archive(data, TE_ALLOW_LIST)
 
 
 # -- loaded state is plain data ------------------------------------------------------------------
@@ -976,4 +976,4 @@ def test_an_ordered_dict_given_its_own_get_is_refused_naming_the_module():
         _load_extra(lin, data)
     assert "fc.Linear" in str(refused.value) and "OrderedDict" in str(refused.value)
     with pytest.raises(pickle.UnpicklingError, match="OrderedDict given a state"):
-        pickles._load_stream(data, TE_ALLOW_LIST)
+        unpickling._load_stream(data, TE_ALLOW_LIST)
