@@ -60,9 +60,10 @@ from .delayed import (
     check_scaling_tensors,
 )
 from .formats import FP8_FORMATS
-from .pickles import describe_pickle, payload_bytes, unpickle
+from .pickles import describe_pickle, payload_bytes
 from .state import unsafe_extra_state
-from .te_state import TE_KEYS, describe_items, from_transformer_engine, hashable
+from .te_state import TE_ALLOW_LIST, TE_KEYS, describe_items, from_transformer_engine, hashable
+from .unpickling import unpickle
 
 EXTRA_STATE_KEY = "_extra_state"  # nn.Module's name for it in state dicts
 MAGIC = 0xFCA570
@@ -177,8 +178,9 @@ def decode_extra_state(state: Any, owner: str = "module") -> dict[int, ScalingMe
         if not data:
             return {}
         if unsafe_extra_state.get() <= 0:
+            described = describe_pickle(data, TE_ALLOW_LIST)
             raise ValueError(
-                f"{owner}: refusing a pickled extra state ({describe_pickle(data)}); fastcast "
+                f"{owner}: refusing a pickled extra state ({described}); fastcast "
                 "does not unpickle checkpoint state unless asked to. It most likely comes "
                 "from another FP8 library (TransformerEngine stores its scales this way). To "
                 "start the scales afresh, drop it (fc.strip_extra_state(state_dict)) and "
@@ -187,7 +189,7 @@ def decode_extra_state(state: Any, owner: str = "module") -> dict[int, ScalingMe
                 "unpickler (tensors, containers and TransformerEngine's recipe classes only) "
                 "and converts TransformerEngine's delayed-scaling state."
             )
-        return _decode_unpickled(unpickle(data, owner), owner)
+        return _decode_unpickled(unpickle(data, owner, TE_ALLOW_LIST), owner)
     raise ValueError(f"{owner}: unrecognised extra state of type {type(state).__name__}")
 
 
@@ -214,6 +216,7 @@ def _decode_tensor(state: torch.Tensor, owner: str) -> dict[int, ScalingMeta]:
     def refuse(problem: str) -> ValueError:
         return ValueError(f"{owner}: {problem}")
 
+    _check_holds(state, owner, "extra state")
     if state.dtype != torch.float32 or state.dim() != 1 or state.numel() < 4:
         raise refuse(
             f"extra state is a {state.dtype} tensor of shape {tuple(state.shape)}; fastcast's "
@@ -319,6 +322,19 @@ def _decode_tensor(state: torch.Tensor, owner: str) -> dict[int, ScalingMeta]:
     return _metas(parts, owner, checked)
 
 
+def _check_holds(tensor: Any, owner: str, what: str) -> None:
+    """Refuse a tensor that claims more elements than its storage holds (a stride-0 view
+    of a few bytes in a file can claim millions, which any copy would then allocate)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+        return
+    held = tensor.untyped_storage().nbytes() // tensor.element_size() - tensor.storage_offset()
+    if tensor.numel() > max(held, 0):
+        raise ValueError(
+            f"{owner}: {what} claims {tensor.numel()} values (shape {tuple(tensor.shape)}) but "
+            f"its storage holds {max(held, 0)}; refusing it before copying"
+        )
+
+
 def _metas(
     parts: dict[int, tuple[torch.Tensor, torch.Tensor, ScalingOrigin]],
     owner: str,
@@ -329,6 +345,8 @@ def _metas(
     metas = {}
     for direction, (history, scale, origin) in parts.items():
         name = "forward" if direction == FORWARD else "backward"
+        _check_holds(history, owner, f"{name} amax history")
+        _check_holds(scale, owner, f"{name} scale")
         if not checked:
             for t, what in ((history, "amax_history"), (scale, "scale")):
                 if isinstance(t, torch.Tensor):

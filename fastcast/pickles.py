@@ -1,43 +1,42 @@
-"""Reading pickles without trusting them, and unpickling the little fastcast accepts.
+"""Reading pickles without trusting them, and unpickling only what an allow-list names.
 
 ``describe_pickle`` says what a payload would import and call, found by running a model
 of the pickle machine over its opcodes: the stack, marks and memo hold symbols instead of
 objects, and nothing is imported or called. The payload may be a bare pickle, a
 ``torch.save`` zip archive (every ``*.pkl`` entry is read) or a legacy ``torch.save``
 stream (several pickles in a row), and the bytes handed to
-``torch.storage._load_from_bytes`` (how a tensor pickles outside ``torch.save``, which
-TransformerEngine uses) are described in turn. Describing is bounded: past the caps below
+``torch.storage._load_from_bytes`` (how a tensor pickles outside ``torch.save``) are
+described in turn. Every opcode argument is parsed as CPython's ``_pickle`` parses it
+(``INT`` in base 0, ``FLOAT`` without surrounding spaces, ...), and a pickle read from a
+file (``torch.load``) is followed frame by frame as that unpickler reads it, so the model
+stops where ``pickle`` stops and nowhere else. Describing is bounded: past the caps below
 the answer is "too large to describe", and where the model cannot know what would run
 (a global whose name is computed at load time, say) the answer says "unknown" rather than
 listing only what it could see.
 
-``unpickle`` is only called inside ``fc.allow_unsafe_extra_state()``. Even there no
-ordinary unpickler runs: the payload must first be described without surprises, and is
-then loaded by a ``pickle.Unpickler`` whose ``find_class`` allows only what
-TransformerEngine's extra state is made of (plain containers, tensors and storages,
-``collections.OrderedDict``, and TransformerEngine's recipe classes, which become
-stand-ins). The bytes given to ``torch.storage._load_from_bytes`` are loaded with
-``torch.load(weights_only=True)``.
+Given an ``AllowList`` (what a restricted unpickler would give for each global), the
+description also lists what that unpickler refuses. Loading is ``unpickling.py``; this
+module knows nothing of any library's format (``te_state.py`` adds TransformerEngine's).
 """
 
 from __future__ import annotations
 
 import _compat_pickle
 import codecs
-import collections
 import ctypes
 import io
+import math
 import pickle
 import pickletools
+import re
 import struct
 import sys
 import zipfile
 import zlib
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-
-from .te_state import TE_RECIPE_MODULE, TE_STAND_INS
 
 ZIP_MAGIC = b"PK\x03\x04"  # how every torch.save archive starts
 
@@ -148,12 +147,21 @@ class PickleReport:
         if self.refused:
             refused = _enumerate(list(self.refused))
             text += f"; not allowed even inside fc.allow_unsafe_extra_state(): {refused}"
-        return text
+        return escape(text)
 
     def _listing(self) -> str:
         return _enumerate(
             [f"{name} ({', '.join(uses)})" if uses else name for name, uses in self.imports.items()]
         )
+
+
+def escape(text: str) -> str:
+    """``text`` with every character a terminal would not print as itself (ESC, CR,
+    bidirectional overrides, zero-width characters) written as ``repr`` writes it: a
+    name in a payload must not be able to hide or rewrite the message that names it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _enumerate(items: list[str]) -> str:
@@ -165,8 +173,9 @@ def _enumerate(items: list[str]) -> str:
     return items[0] if items else ""
 
 
-def inspect_pickle(payload: Any) -> PickleReport:
-    """Describe a payload (bytes, ``BytesIO`` or uint8 tensor) without executing it."""
+def inspect_pickle(payload: Any, allowed: AllowList | None = None) -> PickleReport:
+    """Describe a payload (bytes, ``BytesIO`` or uint8 tensor) without executing it;
+    with ``allowed``, also what a restricted unpickler allowing that would refuse."""
     size = _payload_size(payload)
     if size > _MAX_PAYLOAD:
         report = PickleReport(size, "payload")
@@ -175,7 +184,7 @@ def inspect_pickle(payload: Any) -> PickleReport:
     data = payload_bytes(payload)
     zipped = data.startswith(ZIP_MAGIC)
     report = PickleReport(size, "torch.save archive" if zipped else "pickle")
-    model = _Model(report)
+    model = _Model(report, allowed)
     try:
         if zipped:
             model.archive(data, 0, len(data), depth=0)
@@ -188,9 +197,9 @@ def inspect_pickle(payload: Any) -> PickleReport:
     return report
 
 
-def describe_pickle(payload: Any) -> str:
+def describe_pickle(payload: Any, allowed: AllowList | None = None) -> str:
     """What a payload would import and call, read without executing anything."""
-    return str(inspect_pickle(payload))
+    return str(inspect_pickle(payload, allowed))
 
 
 class _TooLarge(Exception):
@@ -210,11 +219,12 @@ class _Malformed(Exception):
 class _Global:
     """A global the pickle imported."""
 
-    __slots__ = ("key", "shown")
+    __slots__ = ("key", "shown", "written")
 
-    def __init__(self, key: str | None, shown: str) -> None:
+    def __init__(self, key: str | None, shown: str, written: tuple[str, str]) -> None:
         self.key = key  # module.name, as imported; None when too long to be a real one
         self.shown = shown
+        self.written = written  # (module, name) as the pickle spells them
 
 
 class _Result:
@@ -264,8 +274,9 @@ def _old_name(module: str, name: str) -> tuple[str, str]:
 class _Model:
     """Describes the payloads of one report, spending one budget across all of them."""
 
-    def __init__(self, report: PickleReport) -> None:
+    def __init__(self, report: PickleReport, allowed: AllowList | None) -> None:
         self.report = report
+        self.allowed = allowed
         self.opcodes = 0
         self.pickle_bytes = 0
 
@@ -295,9 +306,9 @@ class _Model:
             uses = self.report.imports[shown] = {}
         if written != (module, name):
             uses[f"written {_clip('.'.join(written))}"] = None
-        if _allowed(*written) is None:
+        if self.allowed is not None and self.allowed.get(*written) is None:
             self.report.refused[shown] = None
-        return _Global(key, shown)
+        return _Global(key, shown, written)
 
     def call(self, func: Any, args: Any, depth: int) -> Any:
         if isinstance(func, _Global):
@@ -309,7 +320,7 @@ class _Model:
                 else:
                     self.reason(f"gives {func.shown} data computed at load time")
             elif func.key == "_codecs.encode":
-                encoded = _latin1_model(args)
+                encoded = self.latin1(args)
                 if encoded is not None:
                     return encoded
             return _Result(func)
@@ -321,8 +332,31 @@ class _Model:
             return _Unknown(f"the result of calling {func.what}")
         return _NOTHING  # not callable: an ordinary unpickler stops here
 
+    def latin1(self, args: Any) -> _Bytes | None:
+        """``_codecs.encode(text, "latin1")``: how protocols 0 to 2 pickle bytes. Each
+        call makes new bytes, so each is paid for from the byte budget (a memoized text
+        encoded in a loop would otherwise make gigabytes from kilobytes)."""
+        if (
+            isinstance(args, tuple)
+            and len(args) == 2
+            and isinstance(args[0], str)
+            and args[1] in ("latin1", "latin-1")
+        ):
+            self.spend(len(args[0]), "_codecs.encode")
+            try:
+                data = args[0].encode("latin-1")
+            except UnicodeEncodeError:
+                return None
+            return _Bytes(data, 0, len(data))
+        return None
+
     def change(self, target: Any, how: str) -> None:
         """``BUILD`` (how="sets the state of") or adding items to ``target``."""
+        if isinstance(target, _Result) and self.allowed is not None:
+            # What the restricted unpickler would make of it may only be changed as the
+            # allow-list says (a tensor given a state would call Tensor.__setstate__).
+            if not self.allowed.permits(*target.source.written, build=how == "sets the state of"):
+                self.report.refused[f"{how} a {target.source.shown} object"] = None
         if isinstance(target, _Global):
             self.report.imports[target.shown]["modified"] = None
             self.reason(f"changes {target.shown} itself")
@@ -424,31 +458,23 @@ _ZIP_ERRORS = (
 )
 
 
-def _latin1_model(args: Any) -> _Bytes | None:
-    """``_codecs.encode(text, "latin1")``: how protocols 0 to 2 pickle bytes."""
-    if (
-        isinstance(args, tuple)
-        and len(args) == 2
-        and isinstance(args[0], str)
-        and args[1] in ("latin1", "latin-1")
-    ):
-        try:
-            data = args[0].encode("latin-1")
-        except UnicodeEncodeError:
-            return None
-        return _Bytes(data, 0, len(data))
-    return None
-
-
 class _Machine:
     """One pickle's stack, marks and memo, as an unpickler holds them, but of symbols.
 
-    Where an ordinary unpickler would fail (popping an empty stack, reading a memo entry
-    never stored) the model goes on with ``_NOTHING``: it may report more than would run,
-    never less.
+    Opcode arguments are read as CPython's ``_pickle`` reads them, so the model stops
+    exactly where a malformed argument stops ``pickle``. Where an ordinary unpickler would
+    fail on the stack instead (popping an empty stack, a missing mark) the model goes on
+    with ``_NOTHING``: it may report more than would run, never
+    less.
+
+    Frames: ``pickle.loads`` reads bytes in place, while an unpickler reading a file (how
+    ``torch.load`` reads a legacy stream) reads a whole ``FRAME`` at once, so after a
+    ``STOP`` inside a frame the next pickle of the stream starts at the frame's end, and
+    an argument read across a frame's end is read from elsewhere. The model follows the
+    first, and says "unknown" for the second (no pickler writes it).
     """
 
-    __slots__ = ("model", "depth", "stack", "marks", "memo", "proto")
+    __slots__ = ("model", "depth", "stack", "marks", "memo", "proto", "frame_end")
 
     def __init__(self, model: _Model, depth: int) -> None:
         self.model = model
@@ -457,14 +483,18 @@ class _Machine:
         self.marks: list[list[Any]] = []
         self.memo: dict[int, Any] = {}
         self.proto = 0
+        self.frame_end: int | None = None  # where the frame read from a file ends
 
     def run(self, buf: bytes, pos: int, end: int) -> int:
-        """Model the pickle at ``pos``; return where it ends (after STOP)."""
+        """Model the pickle at ``pos``; return where an unpickler reading a file would
+        be once it returns (after STOP, or after the frame STOP is in)."""
         model = self.model
         while True:
             at = pos
             if pos >= end:
                 raise _Malformed("it ends before STOP", at)
+            if pos == self.frame_end:  # the frame is used up: reads go to the file again
+                self.frame_end = None
             code = buf[pos]
             op = _OPS[code]
             if op is None:
@@ -475,11 +505,29 @@ class _Machine:
             reader, handler = op
             try:
                 arg, pos = reader(buf, pos + 1, end)
+                if handler is not None and handler is not _FRAME:
+                    handler(self, arg)
             except _Malformed as exc:
                 raise _Malformed(str(exc), at) from None
+            if self.frame_end is not None and pos > self.frame_end:
+                model.reason(
+                    "reads an argument across the end of a frame (read one way by "
+                    "pickle.loads and another by an unpickler reading a file)"
+                )
             if handler is None:  # STOP
-                return pos
-            handler(self, arg)
+                return pos if self.frame_end is None else max(pos, self.frame_end)
+            if handler is _FRAME:
+                self.frame(arg, pos, end, at)
+
+    def frame(self, size: int, pos: int, end: int, at: int) -> None:
+        """FRAME: the unpickler checks that ``size`` bytes follow (and, reading a file,
+        reads them at once unless they are already read)."""
+        if pos + size > end:
+            raise _Malformed(f"it ends inside a frame of {size} bytes", at)
+        if self.frame_end is None:
+            self.frame_end = pos + size if size else None
+        elif pos + size > self.frame_end:
+            self.model.reason("starts a frame that crosses the end of the frame it is in")
 
     # -- the stack --------------------------------------------------------------------------
     def push(self, value: Any) -> None:
@@ -561,7 +609,9 @@ class _Machine:
         self.push(self.top())
 
     def op_get(self, arg: Any) -> None:
-        self.push(self.memo.get(arg, _NOTHING))
+        if arg not in self.memo:  # where pickle stops: "Memo value not found at index"
+            raise _Malformed(f"it reads memo entry {arg}, never stored")
+        self.push(self.memo[arg])
 
     def op_put(self, arg: Any) -> None:
         self.remember(arg)
@@ -620,13 +670,15 @@ class _Machine:
         self.push(_Unknown("a global registered with copyreg"))
 
     def op_proto(self, arg: Any) -> None:
+        if arg > pickle.HIGHEST_PROTOCOL:  # where pickle stops: "unsupported pickle protocol"
+            raise _Malformed(f"unsupported pickle protocol {arg}")
         self.proto = arg
 
-    def op_nothing(self, arg: Any) -> None:  # FRAME, READONLY_BUFFER
+    def op_nothing(self, arg: Any) -> None:  # READONLY_BUFFER
         pass
 
 
-# -- reading opcode arguments -------------------------------------------------------------------
+# -- reading opcode arguments, as CPython's _pickle reads them -----------------------------
 def _need(buf: bytes, pos: int, end: int, size: int) -> int:
     if size < 0 or pos + size > end:
         raise _Malformed(f"it ends inside an argument of {size} bytes")
@@ -649,6 +701,8 @@ def _sized(fmt: str, make: Any) -> Any:
 
     def read(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
         size, pos = length_of(buf, pos, end)
+        if size < 0:  # LONG4: "LONG pickle has negative byte count"
+            raise _Malformed("a negative byte count")
         after = _need(buf, pos, end, size)
         return make(buf, pos, after), after
 
@@ -656,15 +710,23 @@ def _sized(fmt: str, make: Any) -> Any:
 
 
 def _line(buf: bytes, pos: int, end: int) -> tuple[bytes, int]:
+    """A line argument without its newline (the unpickler reads it with the newline)."""
     stop = buf.find(b"\n", pos, end)
     if stop < 0:
         raise _Malformed("it ends inside a line argument")
     return buf[pos:stop], stop + 1
 
 
-def _utf8(raw: bytes) -> str:
+def _nonempty_line(buf: bytes, pos: int, end: int) -> tuple[bytes, int]:
+    raw, pos = _line(buf, pos, end)
+    if not raw:  # _pickle's bad_readline: "pickle data was truncated"
+        raise _Malformed("an empty line argument")
+    return raw, pos
+
+
+def _utf8(raw: bytes, errors: str = "surrogatepass") -> str:
     try:
-        return raw.decode("utf-8", "surrogatepass")
+        return raw.decode("utf-8", errors)
     except UnicodeDecodeError as exc:
         raise _Malformed(f"a string that is not UTF-8 ({exc.reason})") from None
 
@@ -682,16 +744,103 @@ def _read_none(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
     return None, pos
 
 
-def _read_line_ignored(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
-    return None, _line(buf, pos, end)[1]
+# Python's int() syntax in base 0 and 10 (what PyLong_FromString accepts: surrounding ASCII
+# whitespace, a sign, underscores between digits), for the C string up to its first NUL.
+_SPACE = rb"[ \t\n\r\x0b\x0c]*"
+_INT_BASE0 = re.compile(
+    _SPACE + rb"[+-]?(?:0[xX](?:_?[0-9a-fA-F])+|0[oO](?:_?[0-7])+|0[bB](?:_?[01])+"
+    rb"|[1-9](?:_?[0-9])*|0(?:_?0)*)" + _SPACE
+)
+_INT_BASE10 = re.compile(_SPACE + rb"[+-]?[0-9](?:_?[0-9])*" + _SPACE)
+_STRTOL_DIGITS = {8: b"01234567", 10: b"0123456789", 16: b"0123456789abcdefABCDEF"}
+_LONG_MAX = (1 << 63) - 1  # C long on the LP64 platforms torch runs on
 
 
-def _read_decimal(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
-    raw, pos = _line(buf, pos, end)
-    try:
-        return int(raw), pos  # as the unpickler reads a GET or PUT index
-    except ValueError:
-        raise _Malformed("a malformed decimal argument") from None
+def _c_string(raw: bytes) -> bytes:
+    """What C code sees of a line: the bytes before the first NUL."""
+    return raw.partition(b"\0")[0]
+
+
+def _pylong_parses(raw: bytes, base: int) -> bool:
+    """Whether ``PyLong_FromString(raw, NULL, base)`` returns an int (base 0 or 10)."""
+    text = _c_string(raw)
+    if (_INT_BASE0 if base == 0 else _INT_BASE10).fullmatch(text) is None:
+        return False
+    digits = text.strip(b" \t\n\r\x0b\x0c+-").replace(b"_", b"")
+    limit = sys.get_int_max_str_digits()  # decimal only: the other bases are powers of 2
+    decimal = base == 10 or not digits[1:2].isalpha()
+    return not (decimal and limit and len(digits) > max(limit, 640))
+
+
+def _strtol_parses(raw: bytes) -> bool:
+    """Whether C's ``strtol(s, &end, 0)`` converts ``s`` without overflow and stops at
+    the newline or a NUL (what ``INT`` tries first)."""
+    i, n = 0, len(raw)
+    while i < n and raw[i] in b" \t\r\x0b\x0c\n":
+        i += 1
+    negative = i < n and raw[i] == ord("-")
+    if i < n and raw[i] in b"+-":
+        i += 1
+    if raw[i : i + 2] in (b"0x", b"0X") and raw[i + 2 : i + 3] and raw[i + 2] in _STRTOL_DIGITS[16]:
+        base, i = 16, i + 2
+    else:
+        base = 8 if raw[i : i + 1] == b"0" else 10
+    j = i
+    while j < n and raw[j] in _STRTOL_DIGITS[base]:
+        j += 1
+    if j == i:  # no conversion: strtol's end is the start of the string
+        return raw[:1] == b"\0"
+    if j < n and raw[j] != 0:
+        return False
+    significant = raw[i:j].lstrip(b"0")
+    if len(significant) > 24:  # more than 64 bits in any of the three bases
+        return False
+    value = int(significant or b"0", base)
+    return value <= _LONG_MAX + negative
+
+
+def _read_int(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
+    """INT: ``strtol`` in base 0, else ``PyLong_FromString`` in base 0 (so ``I0x10``,
+    ``I010`` and ``I1_0`` are all numbers)."""
+    raw, pos = _nonempty_line(buf, pos, end)
+    if not (_strtol_parses(raw) or _pylong_parses(raw, 0)):
+        raise _Malformed("a malformed INT argument")
+    return None, pos
+
+
+def _read_long(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
+    """LONG: an optional trailing ``L`` dropped, then ``PyLong_FromString`` in base 0."""
+    raw, pos = _nonempty_line(buf, pos, end)
+    if not _pylong_parses(raw[:-1] if raw.endswith(b"L") else raw, 0):
+        raise _Malformed("a malformed LONG argument")
+    return None, pos
+
+
+def _read_memo_index(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
+    """GET and PUT: ``PyLong_FromString`` in base 10."""
+    raw, pos = _nonempty_line(buf, pos, end)
+    if not _pylong_parses(raw, 10):
+        raise _Malformed("a malformed memo index")
+    return int(_c_string(raw)), pos
+
+
+# What PyOS_string_to_double reads: no surrounding spaces, no underscores, no hex.
+_FLOAT = re.compile(
+    rb"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|(?i:inf(?:inity)?|nan))"
+)
+
+
+def _read_float(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
+    """FLOAT: a number at the very start of the line, followed by the newline or a NUL,
+    that does not overflow (``1e999`` is an OverflowError; ``inf`` is a number)."""
+    raw, pos = _nonempty_line(buf, pos, end)
+    match = _FLOAT.match(raw)
+    if match is None or raw[match.end() : match.end() + 1] not in (b"", b"\0"):
+        raise _Malformed("a malformed FLOAT argument")
+    text = match.group()
+    if float(text) in (math.inf, -math.inf) and not text.lstrip(b"+-")[:1].isalpha():
+        raise _Malformed("a FLOAT argument too large for a float")
+    return None, pos
 
 
 def _read_quoted(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
@@ -713,10 +862,25 @@ def _read_unicode_line(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
         raise _Malformed(f"a malformed UNICODE argument ({exc.reason})") from None
 
 
-def _read_global_pair(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
-    module, pos = _line(buf, pos, end)
-    name, pos = _line(buf, pos, end)
-    return (_utf8(module), _utf8(name)), pos
+def _read_persistent_id(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
+    raw, pos = _line(buf, pos, end)
+    if not raw.isascii():
+        raise _Malformed("a persistent id that is not ASCII")
+    return None, pos
+
+
+def _global_pair(encoding: str) -> Any:
+    """GLOBAL (UTF-8) and INST (ASCII): two non-empty lines, strictly decoded."""
+
+    def read(buf: bytes, pos: int, end: int) -> tuple[Any, int]:
+        module, pos = _nonempty_line(buf, pos, end)
+        name, pos = _nonempty_line(buf, pos, end)
+        try:
+            return (module.decode(encoding), name.decode(encoding)), pos
+        except UnicodeDecodeError as exc:
+            raise _Malformed(f"a global name that is not {encoding} ({exc.reason})") from None
+
+    return read
 
 
 _READERS = {
@@ -730,7 +894,8 @@ _READERS = {
     "long1": _sized("<B", lambda buf, start, end: None),
     "long4": _sized("<i", lambda buf, start, end: None),
     "string1": _sized("<B", lambda buf, start, end: _pickle_string(buf[start:end])),
-    "string4": _sized("<i", lambda buf, start, end: _pickle_string(buf[start:end])),
+    # pickletools says signed; _pickle reads BINSTRING's length unsigned
+    "string4": _sized("<I", lambda buf, start, end: _pickle_string(buf[start:end])),
     "bytes1": _sized("<B", _Bytes),
     "bytes4": _sized("<I", _Bytes),
     "bytes8": _sized("<Q", _Bytes),
@@ -738,18 +903,26 @@ _READERS = {
     "unicodestring1": _sized("<B", lambda buf, start, end: _utf8(buf[start:end])),
     "unicodestring4": _sized("<I", lambda buf, start, end: _utf8(buf[start:end])),
     "unicodestring8": _sized("<Q", lambda buf, start, end: _utf8(buf[start:end])),
-    "decimalnl_short": _read_decimal,
-    "decimalnl_long": _read_line_ignored,
-    "floatnl": _read_line_ignored,
     "stringnl": _read_quoted,
-    "stringnl_noescape": _read_line_ignored,
-    "stringnl_noescape_pair": _read_global_pair,
+    "stringnl_noescape": _read_persistent_id,
     "unicodestringnl": _read_unicode_line,
+}
+# Where _pickle reads an argument type pickletools shares between opcodes its own way.
+_OPCODE_READERS = {
+    "INT": _read_int,
+    "LONG": _read_long,
+    "FLOAT": _read_float,
+    "GET": _read_memo_index,
+    "PUT": _read_memo_index,
+    "GLOBAL": _global_pair("utf-8"),
+    "INST": _global_pair("ascii"),
 }
 
 _M = _Machine
+_FRAME = object()  # FRAME is handled by the machine's run loop itself
 _HANDLERS = {
     "STOP": None,
+    "FRAME": _FRAME,
     **dict.fromkeys(
         (
             "NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 LONG LONG1 LONG4 FLOAT BINFLOAT "
@@ -792,7 +965,7 @@ _HANDLERS = {
     "BINPERSID": _M.op_binpersid,
     **dict.fromkeys(("EXT1", "EXT2", "EXT4"), _M.op_ext),
     "PROTO": _M.op_proto,
-    **dict.fromkeys(("FRAME", "READONLY_BUFFER"), _M.op_nothing),
+    "READONLY_BUFFER": _M.op_nothing,
 }
 
 
@@ -806,269 +979,70 @@ def _unmodelled(name: str) -> Any:
 
 def _opcode_table() -> list[Any]:
     """Per opcode byte: (argument reader, handler), from pickletools' list of opcodes so
-    that an opcode added to pickle later is read (and reported as unknown), not misread."""
+    that an opcode added to pickle later is read (and reported as unknown), not misread
+    (an argument type without a reader here fails at import, in fastcast's tests)."""
     table: list[Any] = [None] * 256
     for op in pickletools.opcodes:
         arg = op.arg.name if op.arg is not None else None
+        reader = _OPCODE_READERS.get(op.name) or _READERS[arg]
         handler = _HANDLERS[op.name] if op.name in _HANDLERS else _unmodelled(op.name)
-        table[op.code.encode("latin-1")[0]] = (_READERS[arg], handler)
+        table[op.code.encode("latin-1")[0]] = (reader, handler)
     return table
 
 
 _OPS = _opcode_table()
 
 
-# -- unpickling, restricted -----------------------------------------------------------------------
-class _ReadOnly:
-    """Instances cannot be changed after construction (by unpickling's BUILD, say)."""
+# -- what a restricted unpickler allows ----------------------------------------------------------
+class AllowList:
+    """What a restricted unpickler gives for each global it allows, and which of what they
+    make the pickle may change: ``buildable`` results may be given a state (``BUILD``),
+    ``containers`` may be given items (``SETITEMS``, ``APPENDS``...). ``what`` says in
+    words what is allowed, for refusals. Python 2 spellings of a global are looked up as
+    pickle maps them (whatever the protocol: both spellings give only something allowed).
+    """
 
-    __slots__ = ()
+    __slots__ = ("globals", "buildable", "containers", "what")
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"{type(self).__name__} objects cannot be changed")
+    def __init__(
+        self,
+        globals_: Mapping[tuple[str, str], Any],
+        what: str,
+        buildable: Iterable[tuple[str, str]] = (),
+        containers: Iterable[tuple[str, str]] = (),
+    ) -> None:
+        self.globals = dict(globals_)
+        self.buildable = frozenset(buildable)
+        self.containers = frozenset(containers)
+        self.what = what
 
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"{type(self).__name__} objects cannot be changed")
+    def extended(
+        self,
+        globals_: Mapping[tuple[str, str], Any],
+        what: str,
+        buildable: Iterable[tuple[str, str]] = (),
+        containers: Iterable[tuple[str, str]] = (),
+    ) -> AllowList:
+        """This allow-list with more globals."""
+        return AllowList(
+            {**self.globals, **globals_},
+            what,
+            self.buildable | frozenset(buildable),
+            self.containers | frozenset(containers),
+        )
 
+    def _key(self, module: str, name: str) -> tuple[str, str] | None:
+        if (module, name) in self.globals:
+            return (module, name)
+        mapped = _old_name(module, name)
+        return mapped if mapped in self.globals else None
 
-class _Allowed(_ReadOnly):
-    """A function the restricted unpickler gives for an allowed global."""
+    def get(self, module: str, name: str) -> Any:
+        """What the unpickler gives for the global, or None if it refuses it."""
+        key = self._key(module, name)
+        return None if key is None else self.globals[key]
 
-    __slots__ = ("_func", "_name")
-
-    def __init__(self, func: Any, name: str) -> None:
-        object.__setattr__(self, "_func", func)
-        object.__setattr__(self, "_name", name)
-
-    def __call__(self, *args: Any) -> Any:
-        return self._func(*args)
-
-    def __repr__(self) -> str:
-        return f"<fastcast's restricted {self._name}>"
-
-
-class _StorageType(_ReadOnly):
-    """A ``torch.*Storage`` class named in a persistent id: only its dtype is used."""
-
-    __slots__ = ("name", "dtype")
-
-    def __init__(self, name: str, dtype: torch.dtype) -> None:
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "dtype", dtype)
-
-
-class _Storage(_ReadOnly):
-    """Bytes read for a tensor, and their element type."""
-
-    __slots__ = ("untyped", "dtype")
-
-    def __init__(self, untyped: torch.UntypedStorage, dtype: torch.dtype) -> None:
-        object.__setattr__(self, "untyped", untyped)
-        object.__setattr__(self, "dtype", dtype)
-
-
-def _is_int(value: Any) -> bool:
-    return type(value) is int
-
-
-def _rebuild_tensor(
-    storage: Any,
-    storage_offset: Any,
-    size: Any,
-    stride: Any,
-    requires_grad: Any = False,
-    backward_hooks: Any = None,
-    metadata: Any = None,
-) -> torch.Tensor:
-    """``torch._utils._rebuild_tensor(_v2)``, checking what it is given: a view that fits
-    inside its storage (``set_`` would otherwise grow the storage), no hooks, no metadata."""
-    if not isinstance(storage, _Storage):
-        raise pickle.UnpicklingError("a tensor whose data is not a storage")
-    if not (
-        _is_int(storage_offset)
-        and isinstance(size, tuple)
-        and isinstance(stride, tuple)
-        and len(size) == len(stride)
-        and all(_is_int(n) and n >= 0 for n in size)
-        and all(_is_int(n) and n >= 0 for n in stride)
-        and storage_offset >= 0
-        and type(requires_grad) is bool
-    ):
-        raise pickle.UnpicklingError("a tensor with a malformed size, stride or offset")
-    if not (backward_hooks is None or (isinstance(backward_hooks, dict) and not backward_hooks)):
-        raise pickle.UnpicklingError("a tensor with backward hooks")
-    if not (metadata is None or (type(metadata) is dict and not metadata)):
-        raise pickle.UnpicklingError("a tensor with metadata")
-    itemsize = storage.dtype.itemsize
-    last = storage_offset + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else -1
-    if (last + 1) * itemsize > storage.untyped.nbytes():
-        raise pickle.UnpicklingError("a tensor reaching past the end of its storage")
-    tensor = torch.empty((0,), dtype=storage.dtype)
-    tensor.set_(storage.untyped, storage_offset, size, stride)
-    if requires_grad:
-        tensor.requires_grad_(True)
-    return tensor
-
-
-def _load_nested_storage(data: Any) -> _Storage:
-    """``torch.storage._load_from_bytes``, with ``weights_only=True`` (the original runs
-    ``torch.load(weights_only=False)`` on whatever bytes it is given)."""
-    if not isinstance(data, (bytes, bytearray)):
-        raise pickle.UnpicklingError("torch.storage._load_from_bytes is given no bytes")
-    loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    if isinstance(loaded, torch.storage.TypedStorage):
-        return _Storage(loaded._untyped_storage, loaded.dtype)
-    if isinstance(loaded, torch.UntypedStorage):
-        return _Storage(loaded, torch.uint8)
-    raise pickle.UnpicklingError(
-        f"torch.storage._load_from_bytes gives a {type(loaded).__name__}, not a storage"
-    )
-
-
-def _latin1(text: Any, encoding: Any) -> bytes:
-    """``_codecs.encode`` for what protocols 0 to 2 pickle bytes as: latin-1 text."""
-    if type(text) is not str or encoding not in ("latin1", "latin-1"):
-        raise pickle.UnpicklingError("_codecs.encode other than of text to latin-1")
-    return text.encode("latin-1")
-
-
-_STORAGE_DTYPES = {
-    "DoubleStorage": torch.float64,
-    "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64,
-    "ComplexDoubleStorage": torch.complex128,
-    "UntypedStorage": torch.uint8,
-}
-
-
-def _allow_list() -> dict[tuple[str, str], Any]:
-    allowed: dict[tuple[str, str], Any] = {
-        ("collections", "OrderedDict"): collections.OrderedDict,
-        ("builtins", "set"): set,
-        ("builtins", "frozenset"): frozenset,
-        ("_codecs", "encode"): _Allowed(_latin1, "_codecs.encode"),
-        ("torch._utils", "_rebuild_tensor"): _Allowed(_rebuild_tensor, "_rebuild_tensor"),
-        ("torch._utils", "_rebuild_tensor_v2"): _Allowed(_rebuild_tensor, "_rebuild_tensor_v2"),
-        ("torch.storage", "_load_from_bytes"): _Allowed(_load_nested_storage, "_load_from_bytes"),
-    }
-    for name, dtype in _STORAGE_DTYPES.items():
-        allowed["torch", name] = allowed["torch.cuda", name] = _StorageType(name, dtype)
-    for name, value in vars(torch).items():
-        if isinstance(value, torch.dtype):
-            allowed["torch", name] = value
-    for name, cls in TE_STAND_INS.items():
-        allowed[TE_RECIPE_MODULE, name] = cls
-    return allowed
-
-
-_ALLOWED = _allow_list()
-
-
-def _allowed(module: str, name: str) -> Any:
-    """What the restricted unpickler gives for a global, or None if it refuses it. Python 2
-    spellings are mapped as pickle maps them (whatever the protocol: both spellings give
-    only something allowed)."""
-    found = _ALLOWED.get((module, name))
-    if found is None:
-        found = _ALLOWED.get(_old_name(module, name))
-    return found
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Unpickles plain data, tensors and TransformerEngine's recipe objects; refuses any
-    other global by name, before importing it."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = _allowed(module, name)
-        if found is None:
-            raise pickle.UnpicklingError(
-                f"{_clip(f'{module}.{name}')} is not allowed: fastcast unpickles only plain "
-                "containers, tensors and TransformerEngine's recipe classes"
-            )
-        return found
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("a persistent id outside a torch.save archive")
-
-
-class _ArchiveUnpickler(_RestrictedUnpickler):
-    """Unpickles a torch.save archive's ``data.pkl``, reading its storages from the archive."""
-
-    def __init__(self, file: Any, archive: zipfile.ZipFile, prefix: str) -> None:
-        super().__init__(file)
-        self._archive = archive
-        self._prefix = prefix
-        self._storages: dict[str, _Storage] = {}
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (
-            type(pid) is tuple
-            and len(pid) == 5
-            and pid[0] == "storage"
-            and isinstance(pid[1], _StorageType)
-            and type(pid[2]) is str
-            and _is_int(pid[4])
-            and pid[4] >= 0
-        ):
-            raise pickle.UnpicklingError("a persistent id other than a torch.save storage")
-        _, storage_type, key, _location, numel = pid
-        storage = self._storages.get(key)
-        if storage is None:
-            name = f"{self._prefix}/data/{key}"
-            try:
-                info = self._archive.getinfo(name)
-            except KeyError:
-                raise pickle.UnpicklingError(f"the archive has no {_clip(name)!r}") from None
-            size = numel * storage_type.dtype.itemsize
-            if info.file_size != size:
-                raise pickle.UnpicklingError(
-                    f"{_clip(name)!r} holds {info.file_size} bytes, not {size}"
-                )
-            if size:
-                raw = self._archive.read(info)
-                untyped = torch.UntypedStorage.from_buffer(raw, dtype=torch.uint8)
-            else:
-                untyped = torch.UntypedStorage(0)
-            storage = self._storages[key] = _Storage(untyped, storage_type.dtype)
-        elif storage.dtype != storage_type.dtype:
-            raise pickle.UnpicklingError(f"storage {_clip(key)!r} read with two dtypes")
-        return storage
-
-
-def _load_archive(data: bytes) -> Any:
-    with zipfile.ZipFile(io.BytesIO(data)) as archive:
-        first = archive.infolist()[0].filename if archive.infolist() else ""
-        prefix = first.partition("/")[0]
-        if not prefix or "/" not in first:
-            raise pickle.UnpicklingError("not a torch.save archive (no top-level folder)")
-        names = set(archive.namelist())
-        if f"{prefix}/byteorder" in names:
-            order = archive.read(f"{prefix}/byteorder").decode("ascii", "replace")
-            if order != sys.byteorder:
-                raise pickle.UnpicklingError(f"an archive written {order}-endian")
-        pickled = archive.read(f"{prefix}/data.pkl")
-        return _ArchiveUnpickler(io.BytesIO(pickled), archive, prefix).load()
-
-
-def unpickle(data: bytes, owner: str) -> Any:
-    """Load a payload (a torch.save archive, tensors on the CPU, or a bare pickle) with the
-    restricted unpickler, after describing it: anything it would import that the
-    unpickler refuses, anything unknown, or a payload too large to describe is refused
-    before a byte of it is unpickled."""
-    report = inspect_pickle(data)
-    if not report.loadable:
-        raise ValueError(f"{owner}: refusing to unpickle the extra state ({report})")
-    try:
-        if data.startswith(ZIP_MAGIC):
-            return _load_archive(data)
-        return _RestrictedUnpickler(io.BytesIO(data)).load()
-    except Exception as exc:
-        raise ValueError(f"{owner}: could not unpickle the extra state ({report}): {exc}") from exc
+    def permits(self, module: str, name: str, build: bool) -> bool:
+        """Whether what calling the global makes may be given a state (``build``) or items."""
+        key = self._key(module, name)
+        return key is not None and key in (self.buildable if build else self.containers)

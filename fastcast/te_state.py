@@ -1,8 +1,9 @@
 """TransformerEngine's delayed-scaling extra state, converted to fastcast's.
 
-Used only on an unpickled payload, that is inside ``fc.allow_unsafe_extra_state()``. The
-stand-ins below are what the restricted unpickler (``pickles.py``) gives for
-TransformerEngine's recipe classes, which TransformerEngine pickles next to the scales.
+Used only on an unpickled payload, that is inside ``fc.allow_unsafe_extra_state()``.
+``TE_ALLOW_LIST`` is what the restricted unpickler (``unpickling.py``, which knows no
+library's format) may build from TransformerEngine's extra state: plain data and tensors,
+and stand-ins for TransformerEngine's recipe classes, which it pickles next to the scales.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 import torch
 
 from .delayed import BACKWARD, FORWARD, ScalingMeta
+from .pickles import AllowList
+from .unpickling import TORCH_ALLOW_LIST
 
 TE_RECIPE_MODULE = "transformer_engine.common.recipe"
 # The classes of that module a TransformerEngine recipe object is pickled with: the recipes
@@ -80,6 +83,15 @@ TE_STAND_INS: dict[str, type] = {
     for name in _TE_RECIPE_CLASSES
 }
 
+# What fastcast unpickles inside the opt-in: plain data, tensors and the stand-ins, which
+# alone may be given a state (a dataclass recipe pickles as NEWOBJ then BUILD).
+_TE_GLOBALS = {(TE_RECIPE_MODULE, name): cls for name, cls in TE_STAND_INS.items()}
+TE_ALLOW_LIST: AllowList = TORCH_ALLOW_LIST.extended(
+    _TE_GLOBALS,
+    "plain containers, tensors and TransformerEngine's recipe classes",
+    buildable=_TE_GLOBALS,
+)
+
 # Per direction: the scale key, the history key, the reciprocal-scale key, and how many
 # columns one GEMM has in TransformerEngine (forward: input, weight, output; backward:
 # grad_output, grad_input). fastcast keeps the leading ones: input and weight forward,
@@ -115,6 +127,7 @@ def from_transformer_engine(state: dict[Any, Any], owner: str) -> dict[int, Scal
     listed in ``_TE_METADATA`` are checked and left behind (see there). Any other key, or a
     layout other than a single GEMM's, is an error rather than state quietly left behind.
     """
+    state = dict(state)  # plain dict methods, whatever kind of mapping was unpickled
     found = describe_items(state)
     unknown = [k for k in state if not (hashable(k) and k in TE_KEYS)]
     if unknown:
@@ -153,8 +166,10 @@ def from_transformer_engine(state: dict[Any, Any], owner: str) -> dict[int, Scal
                 f"[L, {columns}] (and {inv_key} [{columns}] if present); found {found}"
             )
         keep = _KEPT_COLUMNS[direction]
-        try:
-            metas[direction] = ScalingMeta.from_tensors(history[:, :keep], scale[:keep])
+        try:  # detached: loaded scales are plain data, never part of an autograd graph
+            metas[direction] = ScalingMeta.from_tensors(
+                history[:, :keep].detach(), scale[:keep].detach()
+            )
         except ValueError as exc:
             raise ValueError(f"{owner}: TransformerEngine {exc}") from None
     return metas

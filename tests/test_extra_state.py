@@ -10,6 +10,8 @@ amax / 2**margin``), not by fastcast's code. Delayed-scaling runs happen in a fr
 from __future__ import annotations
 
 import math
+import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -443,3 +445,36 @@ def test_state_the_format_cannot_hold_is_an_error_not_dropped():
     lin._metas["my_scheme"] = torch.ones(3)
     with pytest.raises(ValueError, match="does not know"):
         lin.state_dict()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_stride_0_state_in_a_weights_only_file_is_refused_before_copying(version, tmp_path):
+    """A few kB of file whose extra state claims 67M history rows through a stride-0
+    view: refused from what the storage holds, before anything is copied."""
+    rows = 1 << 26
+    lin = _steps(fc.Linear(16, 8), fc.DelayedScaling(amax_history_len=4))
+    sd = {k: v.clone() for k, v in lin.state_dict().items()}
+    if version == 2:
+        sd["_extra_state"] = torch.ones(1).expand(HEADER + 3 + rows * 3)  # 1 value held
+    else:
+        sd["_extra_state"] = {
+            "format": "fastcast.extra_state",
+            "version": 1,
+            "kind": "delayed_scaling",
+            "forward": {"amax_history": torch.ones(1).expand(rows, 2), "scale": torch.ones(2)},
+        }
+    torch.save(sd, tmp_path / "small.pt")
+    assert (tmp_path / "small.pt").stat().st_size < 8 << 10
+    loaded = torch.load(tmp_path / "small.pt", weights_only=True)
+    before = _snapshot(lin)
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(ValueError, match=r"'_extra_state'.*storage holds 1\b"):
+            lin.load_state_dict(loaded)
+    finally:
+        elapsed = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert elapsed < 5 and peak < 100 << 20
+    _assert_unchanged(lin, before)

@@ -10,9 +10,11 @@ payload would run, or say that it is unknown, never list only harmless globals.
 from __future__ import annotations
 
 import builtins
+import collections
 import io
 import os
 import pickle
+import pickletools
 import shlex
 import struct
 import subprocess
@@ -23,10 +25,12 @@ import zipfile
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import fastcast as fc
-from fastcast import pickles
-from fastcast.te_state import TE_RECIPE_MODULE, TE_STAND_INS
+from fastcast import pickles, unpickling
+from fastcast.te_state import TE_ALLOW_LIST, TE_RECIPE_MODULE, TE_STAND_INS
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -97,8 +101,50 @@ def _decoy_archive(marker: str) -> bytes:
     return out.getvalue()
 
 
+def _int_first(data: bytes) -> bytes:
+    """``data`` behind ``INT 0x10`` and ``POP``: pickle reads INT in base 0 (a model reading
+    base 10 would stop at the first byte and describe nothing)."""
+    return b"I0x10\n" + pickle.POP + data
+
+
+def _int_first_archive(marker: str) -> bytes:
+    """A torch.save archive whose data.pkl starts with ``INT 0x10``."""
+    real = zipfile.ZipFile(io.BytesIO(_torch_save(_Reduce(os.system, _shell(marker)))))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        for info in real.infolist():
+            data = real.read(info)
+            if info.filename.endswith("/data.pkl"):
+                data = _int_first(data)
+            archive.writestr(info.filename, data)
+    return out.getvalue()
+
+
+def _framed_past_stop(marker: str) -> bytes:
+    """A legacy torch.save stream whose first pickle is framed with decoy pickles after its
+    STOP: torch.load reads the whole frame, so its next pickle starts after the decoys (a
+    model reading on from the STOP would spend its five pickles on them)."""
+    stream = _torch_save(_Reduce(os.system, _shell(marker)), legacy=True)
+    first = len(pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2))
+    frame = stream[2:first] + (pickle.NONE + pickle.STOP) * 4
+    return PROTO4 + pickle.FRAME + struct.pack("<Q", len(frame)) + frame + stream[first:]
+
+
 # name -> (payload builder given the marker path, what both messages must contain)
 CORPUS = {
+    "legacy-torch.save-stream-framed-past-its-first-STOP": (
+        _framed_past_stop,
+        (f"{SYSTEM} (called)",),
+    ),
+    "INT-in-base-0-first-raw-pickle": (
+        lambda m: _int_first(pickle.dumps(_Reduce(os.system, _shell(m)), protocol=2)),
+        (f"{SYSTEM} (called)",),
+    ),
+    "INT-in-base-0-first-legacy-torch.save-stream": (  # its magic-number pickle
+        lambda m: _int_first(_torch_save(_Reduce(os.system, _shell(m)), legacy=True)),
+        (f"{SYSTEM} (called)",),
+    ),
+    "INT-in-base-0-first-torch.save-archive": (_int_first_archive, (f"{SYSTEM} (called)",)),
     **{
         f"os.system-protocol-{p}": (
             lambda m, p=p: pickle.dumps(_Reduce(os.system, _shell(m)), protocol=p),
@@ -324,14 +370,16 @@ def _load_extra(module, payload):
 
 
 def _stock_load(data: bytes) -> None:
-    """What an ordinary loader does with the payload (TransformerEngine's, say)."""
-    try:
-        if data.startswith(pickles.ZIP_MAGIC):
-            torch.load(io.BytesIO(data), weights_only=False)
-        else:
-            pickle.loads(data)
-    except Exception:  # noqa: BLE001 - some payloads fail after their effect
-        pass
+    """What ordinary loaders do with the payload (TransformerEngine 2.x: pickle.loads;
+    1.x: torch.load, which reads a legacy stream's pickles one after another)."""
+    loaders = [lambda: torch.load(io.BytesIO(data), weights_only=False)]
+    if not data.startswith(pickles.ZIP_MAGIC):
+        loaders.append(lambda: pickle.loads(data))
+    for load in loaders:
+        try:
+            load()
+        except Exception:  # noqa: BLE001 - some payloads fail after their effect
+            pass
 
 
 @pytest.mark.parametrize("name", CORPUS)
@@ -361,20 +409,23 @@ def test_hostile_payload_never_runs(name, form, tmp_path):
         assert "importing nothing" not in message
 
 
-@pytest.mark.parametrize("name", [n for n in CORPUS if not n.startswith("torch.save-archive")])
+_ARCHIVES = ("torch.save-archive", "INT-in-base-0-first-torch.save-archive")
+
+
+@pytest.mark.parametrize("name", [n for n in CORPUS if not n.startswith(_ARCHIVES)])
 def test_the_restricted_unpickler_alone_refuses_by_name(name, tmp_path):
     # Below the description: the unpickler's own allow-list, given the payload directly.
     marker = tmp_path / "pwned"
     with pytest.raises(pickle.UnpicklingError, match=r"(?i)not allowed|unsupported global"):
-        pickles._RestrictedUnpickler(io.BytesIO(CORPUS[name][0](str(marker)))).load()
+        unpickling._load_stream(CORPUS[name][0](str(marker)), TE_ALLOW_LIST)
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("name", [n for n in CORPUS if n.startswith("torch.save-archive")])
+@pytest.mark.parametrize("name", [n for n in CORPUS if n.startswith(_ARCHIVES)])
 def test_the_restricted_archive_loader_alone_refuses_by_name(name, tmp_path):
     marker = tmp_path / "pwned"
     with pytest.raises(pickle.UnpicklingError, match=f"{SYSTEM} is not allowed"):
-        pickles._load_archive(CORPUS[name][0](str(marker)))
+        unpickling._load_archive(CORPUS[name][0](str(marker)), TE_ALLOW_LIST)
     assert not marker.exists()
 
 
@@ -384,19 +435,19 @@ def test_nested_bytes_load_with_weights_only(tmp_path):
     marker = tmp_path / "pwned"
     inner = _torch_save(_Reduce(os.system, _shell(str(marker))), legacy=True)
     with pytest.raises(pickle.UnpicklingError):
-        pickles._load_nested_storage(inner)
+        unpickling._load_nested_storage(inner)
     assert not marker.exists()
 
 
 # -- what the description says ------------------------------------------------------------------
 def _describe(data: bytes) -> str:
-    return pickles.describe_pickle(data)
+    return pickles.describe_pickle(data, TE_ALLOW_LIST)
 
 
 def test_transformer_engine_forms_describe_in_full():
     state = {"scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(4, 3)}
     for data in (pickle.dumps(state), _torch_save(state)):
-        report = pickles.inspect_pickle(data)
+        report = pickles.inspect_pickle(data, TE_ALLOW_LIST)
         assert report.loadable, str(report)
         text = str(report)
         assert "torch._utils._rebuild_tensor_v2 (called)" in text
@@ -449,7 +500,7 @@ def test_a_malformed_pickle_still_names_what_runs_before_the_fault():
     broken = pickle.dumps({"a": 1})[:-3]
     assert not pickles.inspect_pickle(broken).loadable
     with pytest.raises(ValueError, match="refusing to unpickle.*ends inside"):
-        pickles.unpickle(broken, "test")
+        unpickling.unpickle(broken, "test", TE_ALLOW_LIST)
 
 
 def test_every_pickle_entry_of_an_archive_is_read():
@@ -596,7 +647,7 @@ def test_transformer_engine_classes_become_stand_ins_without_importing_it():
     data += pickle.NEWOBJ + pickle.EMPTY_DICT + _text("margin") + pickle.NONE + pickle.SETITEM
     data += pickle.BUILD + pickle.STOP
     before = set(sys.modules)
-    obj = pickles.unpickle(data, "test")
+    obj = unpickling.unpickle(data, "test", TE_ALLOW_LIST)
     assert type(obj) is TE_STAND_INS["DelayedScaling"] and obj.state == {"margin": None}
     assert not any(m.startswith("transformer_engine") for m in set(sys.modules) - before)
 
@@ -605,7 +656,7 @@ def test_other_transformer_engine_globals_are_refused():
     data = PROTO2 + _global(TE_RECIPE_MODULE, "CustomRecipe") + pickle.EMPTY_TUPLE
     data += pickle.REDUCE + pickle.STOP
     with pytest.raises(ValueError, match="CustomRecipe"):
-        pickles.unpickle(data, "test")
+        unpickling.unpickle(data, "test", TE_ALLOW_LIST)
 
 
 @pytest.mark.parametrize(
@@ -623,26 +674,28 @@ def test_allowed_globals_cannot_be_changed_by_build(target):
     data = PROTO2 + target + state + pickle.TUPLE2 + pickle.BUILD + pickle.STOP
     assert "unknown" in _describe(data)  # refused before loading...
     with pytest.raises((AttributeError, TypeError)):  # ...and unable to even so
-        pickles._RestrictedUnpickler(io.BytesIO(data)).load()
+        unpickling._RestrictedUnpickler(io.BytesIO(data), TE_ALLOW_LIST).load()
     assert TE_STAND_INS["DelayedScaling"].__reduce__ is not None
-    assert pickles._allowed("torch", "FloatStorage").dtype == torch.float32
+    assert TE_ALLOW_LIST.get("torch", "FloatStorage").dtype == torch.float32
 
 
 def test_a_tensor_must_fit_its_storage():
-    storage = pickles._Storage(torch.UntypedStorage(8), torch.float32)
-    assert pickles._rebuild_tensor(storage, 0, (2,), (1,)).shape == (2,)
-    for offset, size, stride in [(0, (3,), (1,)), (1, (2,), (1,)), (0, (2, 2), (1, 1))]:
-        with pytest.raises(pickle.UnpicklingError, match="past the end"):
-            pickles._rebuild_tensor(storage, offset, size, stride)
+    storage = unpickling._Storage(torch.UntypedStorage(8), torch.float32)
+    assert unpickling._rebuild_tensor(storage, 0, (2,), (1,)).shape == (2,)
+    cases = [(0, (3,), (1,)), (1, (2,), (1,)), (0, (2, 2), (1, 1)), (0, (1 << 26, 3), (0, 0))]
+    for offset, size, stride in cases:  # the last: a stride-0 view claiming 200M elements
+        with pytest.raises(pickle.UnpicklingError, match="past the end|storage holds"):
+            unpickling._rebuild_tensor(storage, offset, size, stride)
     with pytest.raises(pickle.UnpicklingError, match="hooks"):
-        pickles._rebuild_tensor(storage, 0, (2,), (1,), False, {"hook": print})
+        unpickling._rebuild_tensor(storage, 0, (2,), (1,), False, {"hook": print})
     assert storage.untyped.nbytes() == 8
 
 
 def test_plain_containers_and_python_2_spellings_load():
     value = {"a": [1, 2.0, None], "b": (True, "x"), "c": {3}, "d": frozenset({4})}
     for protocol in range(6):
-        assert pickles.unpickle(pickle.dumps(value, protocol=protocol), "test") == value
+        loaded = unpickling.unpickle(pickle.dumps(value, protocol=protocol), "test", TE_ALLOW_LIST)
+        assert loaded == value
 
 
 def test_the_allow_list_is_exact():
@@ -654,5 +707,273 @@ def test_the_allow_list_is_exact():
         (TE_RECIPE_MODULE, "DelayedScaling.__init__"),
         ("functools", "partial"),
     ]:
-        assert pickles._allowed(module, name) is None
-    assert pickles._allowed("__builtin__", "set") is set  # Python 2's spelling
+        assert TE_ALLOW_LIST.get(module, name) is None
+    assert TE_ALLOW_LIST.get("__builtin__", "set") is set  # Python 2's spelling
+
+
+# -- the model against pickle itself ---------------------------------------------------------
+class _Point:
+    """A class with instance state: pickles as NEWOBJ/REDUCE then BUILD."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __eq__(self, other):
+        return type(other) is _Point and (self.x, self.y) == (other.x, other.y)
+
+
+_SAFE_GLOBALS = {
+    ("builtins", "complex"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "bytearray"),
+    ("builtins", "bytes"),
+    ("builtins", "object"),
+    ("collections", "OrderedDict"),
+    ("_codecs", "encode"),
+    ("copyreg", "_reconstructor"),
+    ("copyreg", "__newobj__"),
+    (__name__, "_Point"),
+}
+
+
+class _RecordingUnpickler(pickle.Unpickler):
+    """pickle itself, resolving only the benign globals the generated trees use, and
+    recording every global it is asked for (as the pickle spells it)."""
+
+    def __init__(self, data):
+        super().__init__(io.BytesIO(data))
+        self.asked = []
+
+    def find_class(self, module, name):
+        self.asked.append((module, name))
+        found = super().find_class(module, name)
+        key = (found.__module__, found.__qualname__)
+        if key not in _SAFE_GLOBALS and (module, name) not in _SAFE_GLOBALS:
+            raise AssertionError(f"a generated pickle asked for {module}.{name}")
+        return found
+
+
+_leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(min_value=-(2**200), max_value=2**200),
+    st.floats(allow_nan=False),
+    st.complex_numbers(allow_nan=False),
+    st.text(max_size=20),
+    st.binary(max_size=20),
+    st.builds(bytearray, st.binary(max_size=8)),
+)
+_trees = st.recursive(
+    _leaves,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.tuples(inner, inner),
+        st.lists(inner, max_size=4).map(tuple),
+        st.dictionaries(st.text(max_size=5), inner, max_size=4),
+        st.dictionaries(st.text(max_size=5), inner, max_size=3).map(collections.OrderedDict),
+        st.frozensets(st.integers(), max_size=4),
+        st.sets(st.text(max_size=3), max_size=4),
+        st.builds(_Point, inner, inner),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(tree=_trees, protocol=st.integers(0, 5), shared=st.booleans())
+def test_the_model_reads_every_benign_pickle_as_pickle_does(tree, protocol, shared):
+    obj = [tree, tree] if shared else tree  # shared: the memo in use
+    data = pickle.dumps(obj, protocol=protocol)
+    ops = list(pickletools.genops(data))
+    # Opcode for opcode: as many as pickletools reads, ending where it ends.
+    report = pickles.PickleReport(len(data), "pickle")
+    model = pickles._Model(report, None)
+    end = pickles._Machine(model, 0).run(data, 0, len(data))
+    assert model.opcodes == len(ops) and end == ops[-1][2] + 1 == len(data)
+    # What pickle imports is what the description lists, and nothing is unknown.
+    unpickler = _RecordingUnpickler(data)
+    assert unpickler.load() == obj
+    expected = {
+        ".".join(pickles._old_name(m, n) if protocol < 3 else (m, n)) for m, n in unpickler.asked
+    }
+    report = pickles.inspect_pickle(data)
+    assert set(report.imports) == expected
+    assert not (report.unknown or report.failures or report.too_large), str(report)
+
+
+# Protocol 0 arguments are text; these bytes make up numbers, strings and near misses.
+_ARG_BYTES = b"0123456789xXoObB_+-. \t\x00\x0b\x0c\reEinfaINFAL'\"\\"
+_arg_lines = st.lists(st.sampled_from(list(_ARG_BYTES)), max_size=8).map(bytes)
+
+
+def _pickle_accepts(data, **kwargs):
+    try:
+        pickle.loads(data, **kwargs)
+    except Exception:  # noqa: BLE001 - any error: pickle stops there
+        return False
+    return True
+
+
+@settings(max_examples=400, deadline=None)
+@given(opcode=st.sampled_from([b"I", b"L", b"F", b"S", b"V", b"Np", b"Np3\ng"]), line=_arg_lines)
+def test_text_arguments_are_read_as_pickle_reads_them(opcode, line):
+    data = opcode + line + b"\n."
+    report = pickles.inspect_pickle(data)
+    assume(not report.too_large)  # a PUT index past the memo cap: not described at all
+    stopped = bool(report.failures)
+    assert not report.unknown, str(report)
+    # STRING is decoded with the loader's encoding; latin-1 never fails.
+    assert stopped == (not _pickle_accepts(data, encoding="latin-1")), (data, str(report))
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b"0x10", b"010", b"1_0", b"-0b11", b"0o7", b" 12 ", b"12\x00junk", b"\x00", b"9" * 30],
+)
+def test_int_arguments_pickle_accepts_are_numbers(line):
+    data = b"I" + line + b"\n" + pickle.POP + PROTO2 + _global(SYS_MODULE, SYS_NAME) + b"."
+    assert _pickle_accepts(b"I" + line + b"\n.")
+    assert f"importing {SYSTEM}" in _describe(data)
+
+
+# -- what messages show --------------------------------------------------------------------------
+def test_control_characters_in_names_are_escaped_in_every_message():
+    hidden = "posix\x1b[2K\r"  # erase the line, return: a terminal would hide the name
+    data = PROTO4 + _text(hidden) + _text("sys\u202etem") + pickle.STACK_GLOBAL
+    data += _text("true") + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP
+    lin = fc.Linear(4, 4)
+    messages = []
+    with pytest.raises(ValueError, match="refusing") as refused:
+        _load_extra(lin, data)
+    messages.append(str(refused.value))
+    with fc.allow_unsafe_extra_state(), pytest.raises(ValueError, match="refusing") as opted:
+        _load_extra(lin, data)
+    messages.append(str(opted.value))
+    with pytest.raises(pickle.UnpicklingError) as unpickler:
+        unpickling._load_stream(data, TE_ALLOW_LIST)
+    messages.append(str(unpickler.value))
+    for message in messages:
+        assert message.isprintable(), repr(message)
+        assert "posix\\x1b[2K\\r.sys\\u202etem" in message
+
+
+# -- amplification: bounded by what the payload holds --------------------------------------------
+def test_encoding_a_memoized_text_in_a_loop_is_bounded():
+    # Each loop is 8 bytes that encode 15 kB: 600 MB modelled from 240 kB without a budget.
+    loop = _get(0) + _get(1) + _get(2) + pickle.TUPLE2 + pickle.REDUCE
+    data = PROTO2 + _global("_codecs", "encode") + pickle.BINPUT + b"\x00"
+    data += _text("x" * 15_000) + pickle.BINPUT + b"\x01" + _text("latin1") + pickle.BINPUT
+    data += b"\x02" + loop * 30_000 + pickle.STOP
+    assert len(data) < 256 << 10
+    text, elapsed, peak = _timed_describe(data)
+    assert "too large to describe" in text and "_codecs.encode" in text
+    assert elapsed < 5 and peak < 100 << 20
+
+
+def _rss_kib():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS"):
+                return int(line.split()[1])
+    return 0
+
+
+def _bounded(call, seconds=5, mib=100):
+    """Run ``call`` and assert it stays within ``seconds`` and ``mib`` of new memory."""
+    tracemalloc.start()
+    rss = _rss_kib()
+    start = time.perf_counter()
+    try:
+        call()
+    finally:
+        elapsed = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert elapsed < seconds and peak < mib << 20
+    assert _rss_kib() - rss < mib << 10
+
+
+def test_a_stride_0_history_is_refused_before_copying():
+    history = torch.ones(1).expand(1 << 25, 3)  # 100M values claimed, 4 bytes held
+    data = pickle.dumps({"scale_fwd": torch.ones(3), "amax_history_fwd": history})
+    assert len(data) < 4096
+    lin = fc.Linear(4, 4)
+
+    def load():
+        with fc.allow_unsafe_extra_state(), pytest.raises(ValueError, match="storage holds 1"):
+            _load_extra(lin, data)
+
+    _bounded(load)
+
+
+def _tensor_given_a_state(claim):
+    """A pickled tensor, then BUILD with (itself, 0, (claim,), (1,)): Tensor.__setstate__
+    would call set_ and grow the storage to ``claim`` elements."""
+    data = pickle.dumps(torch.ones(2), protocol=2)[:-1] + pickle.BINPUT + b"\xc8"
+    state = pickle.MARK + pickle.BINGET + b"\xc8" + pickle.BININT1 + b"\x00"
+    state += pickle.BININT + struct.pack("<i", claim) + pickle.TUPLE1
+    state += pickle.BININT1 + b"\x01" + pickle.TUPLE1 + pickle.TUPLE
+    return data + state + pickle.BUILD + pickle.STOP
+
+
+def test_a_tensor_given_a_state_is_refused():
+    data = _tensor_given_a_state(1 << 27)
+    lin = fc.Linear(4, 4)
+
+    def load():
+        with (
+            fc.allow_unsafe_extra_state(),
+            pytest.raises(
+                ValueError, match=r"sets the state of a torch._utils._rebuild_tensor_v2 object"
+            ),
+        ):
+            _load_extra(lin, data)
+        # Below the description, the unpickler refuses it too.
+        with pytest.raises(pickle.UnpicklingError, match="tensor given a state"):
+            unpickling._load_stream(data, TE_ALLOW_LIST)
+
+    _bounded(load)
+
+
+def test_a_compressed_storage_is_refused():
+    source = zipfile.ZipFile(io.BytesIO(_torch_save(torch.zeros(8 << 20)[:2])))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as archive:
+        for info in source.infolist():
+            archive.writestr(info.filename, source.read(info))
+    data = out.getvalue()
+    assert len(data) < 1 << 20  # 32 MiB of storage behind a view of two values
+    with pytest.raises(pickle.UnpicklingError, match="compressed"):
+        unpickling._load_archive(data, TE_ALLOW_LIST)
+
+
+# -- loaded state is plain data ------------------------------------------------------------------
+def test_loaded_tensors_take_no_part_in_autograd():
+    state = {
+        "scale_fwd": torch.ones(3, requires_grad=True),
+        "amax_history_fwd": torch.ones(4, 3, requires_grad=True),
+        "scale_bwd": torch.ones(2, requires_grad=True),
+        "amax_history_bwd": torch.ones(4, 2, requires_grad=True),
+    }
+    lin = fc.Linear(16, 16)
+    with fc.allow_unsafe_extra_state():
+        _load_extra(lin, pickle.dumps(state))
+    # Scales that required grad would grow a graph with every in-place update.
+    assert lin._metas.keys() == {0, 1}
+    for meta in lin._metas.values():
+        for tensor in (meta.scale, meta.history):
+            assert not tensor.requires_grad and tensor.grad_fn is None
+
+
+def test_an_ordered_dict_given_its_own_get_is_refused_naming_the_module():
+    data = PROTO2 + _global("collections", "OrderedDict") + pickle.EMPTY_TUPLE + pickle.REDUCE
+    data += pickle.EMPTY_DICT + _text("get") + _global("builtins", "set") + pickle.SETITEM
+    data += pickle.BUILD + _text("scale_fwd") + pickle.NONE + pickle.SETITEM + pickle.STOP
+    lin = fc.Linear(4, 4)
+    with fc.allow_unsafe_extra_state(), pytest.raises(ValueError) as refused:
+        _load_extra(lin, data)
+    assert "fc.Linear" in str(refused.value) and "OrderedDict" in str(refused.value)
+    with pytest.raises(pickle.UnpicklingError, match="OrderedDict given a state"):
+        unpickling._load_stream(data, TE_ALLOW_LIST)
