@@ -200,10 +200,9 @@ class ScalingMeta:
             converted = (self.scale.double() * ratio).clamp_max(FP32_MAX).float()
             fallback = torch.where(self.scale == 1.0, 1.0, converted)
         amax = self.history.amax(dim=0)
-        self.scale.copy_(
-            scale_from_amax(amax, fmt_max, margin=recipe.margin, fallback=fallback)
-        )
+        self.scale.copy_(scale_from_amax(amax, fmt_max, margin=recipe.margin, fallback=fallback))
         self.origin = origin
+
 
 def check_scaling_tensors(history: torch.Tensor, scale: torch.Tensor) -> None:
     """ValueError unless ``history`` ``[L>=1, n]`` and ``scale`` ``[n]`` are floating-point,
