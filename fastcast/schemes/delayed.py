@@ -54,12 +54,13 @@ class DelayedState:
         "compiled",
         "watched",
         "thread",
+        "owner_ts",
         "task",
         "backward_task",
         "backward_groups",
     )
 
-    def __init__(self, thread: threading.Thread, task: Any = None) -> None:
+    def __init__(self, thread: threading.Thread, task: Any = None, ts: Any = None) -> None:
         self.slabs: dict[tuple, Slab] = {}
         # Slabs with amaxes recorded since their last update, per direction.
         self.pending: tuple[set[Slab], set[Slab]] = (set(), set())
@@ -69,6 +70,7 @@ class DelayedState:
         # id -> the tensor, see watch_backward; an entry goes when its tensor dies.
         self.watched: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self.thread = thread  # the thread it runs on
+        self.owner_ts = ts  # that thread's ThreadState (plans compare it per call)
         # The asyncio task, weakly (modules keep their owner, not a finished task's
         # result); None for the thread's own state.
         self.task: weakref.ref | None = None if task is None else weakref.ref(task)
@@ -187,11 +189,12 @@ class DelayedThreadState:
     owner running it, and for the finished tasks whose steps it enclosed (tasks a step
     gathered ran their modules under its autocast; their amaxes join its update)."""
 
-    __slots__ = ("thread", "own", "tasks")
+    __slots__ = ("thread", "ts", "own", "tasks")
 
-    def __init__(self, thread: threading.Thread) -> None:
+    def __init__(self, thread: threading.Thread, ts: Any = None) -> None:
         self.thread = thread
-        self.own = DelayedState(thread)
+        self.ts = ts
+        self.own = DelayedState(thread, None, ts)
         # Task -> its state, held until a step exit after the task is done has ended its
         # step: a finished task's pending amaxes must reach an update.
         self.tasks: dict[Any, DelayedState] = {}
@@ -201,7 +204,7 @@ class DelayedThreadState:
         """``ts``'s delayed-scaling owners, created on first use."""
         state = ts.schemes.get(DelayedScalingScheme)
         if state is None:
-            state = ts.schemes[DelayedScalingScheme] = DelayedThreadState(ts.thread)
+            state = ts.schemes[DelayedScalingScheme] = DelayedThreadState(ts.thread, ts)
             note_stateful_thread(ts)
         return state  # type: ignore[return-value]
 
@@ -215,7 +218,7 @@ class DelayedThreadState:
             return self.own
         state = self.tasks.get(task)
         if state is None:
-            state = self.tasks[task] = DelayedState(self.thread, task)
+            state = self.tasks[task] = DelayedState(self.thread, task, self.ts)
         return state
 
     def frame_exited(self, frame: AutocastFrame, below: Stack, ok: bool) -> None:
@@ -258,11 +261,17 @@ class DelayedPlan(Plan):
         self.fwd_meta, self.bwd_meta = metas
 
     def matches(self, frame: AutocastFrame) -> bool:
-        return (
-            frame.recipe is self.recipe
-            and frame.group is self.group
-            and DelayedState.of(thread_state()) is self.state
-        )
+        # What DelayedState.of(thread_state()) is self.state says, without its calls.
+        if frame.recipe is not self.recipe or frame.group is not self.group:
+            return False
+        state = self.state
+        if state.owner_ts is not thread_state():
+            return False
+        loop = _get_running_loop()
+        task = None if loop is None else current_task(loop)
+        if task is None:
+            return state.task is None
+        return state.task is not None and state.task() is task
 
     def call(self, autograd: bool, replay: Any = None, record: Any = None) -> DelayedCall:
         return DelayedCall(self, replay, record)
