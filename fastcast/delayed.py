@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .formats import ELEMENT_MAX
+from .formats import ELEMENT_MAX, FP32_MAX
 from .recipe import DelayedScaling
 from .reference.cast import scale_from_amax
 
@@ -173,16 +173,35 @@ class ScalingMeta:
 
     @_normal_tensors
     def adopt(self, recipe: DelayedScaling, fmt: str) -> None:
-        """Make the scales mean what ``recipe`` means for ``fmt``: when they were made
-        under another format or margin (or unknown ones), recompute them from the largest
-        amax of the history (a conservative choice: nothing saturates that did not
-        before); columns without any amax keep their scale. Then record the origin."""
+        """Make the scales mean what ``recipe`` means for ``fmt``; a scale made for another
+        format (or margin) is never applied, since it is off by the ratio of their ranges
+        (an e5m2 scale is 128x too large for e4m3).
+
+        When the origin differs (or is unknown), each column's scale is recomputed from
+        the largest amax of its history (conservative: nothing saturates that did not
+        before). A column whose history holds no amax (``amax_history_len=1`` saves
+        none: its only row is the step being recorded) is recomputed from the amax its
+        scale stands for, ``fmt_max / scale / 2**margin`` under the origin's format and
+        margin, when the origin is fully known and the scale came from fastcast's formula
+        (no ``scaling_factor_compute_algo``) and is not the initial 1.0; otherwise it
+        restarts at 1.0, the scale of a module that never ran. Then the origin is
+        recorded."""
         origin = ScalingOrigin.of(recipe, fmt)
-        if not self.origin.same_scales(origin):
-            amax = self.history.amax(dim=0)
-            self.scale.copy_(
-                scale_from_amax(amax, ELEMENT_MAX[fmt], margin=recipe.margin, fallback=self.scale)
-            )
+        old = self.origin
+        if old.same_scales(origin):
+            self.origin = origin
+            return
+        fmt_max = ELEMENT_MAX[fmt]
+        fallback: torch.Tensor | float = 1.0
+        if old.fmt is not None and old.margin is not None and old.custom_scale is False:
+            # fmt_max / amax / 2**margin with the amax the old scale stands for: the old
+            # scale times the ratio of the targets, in float64, rounded once to FP32
+            # (and kept finite, as scale_from_amax keeps its scales).
+            ratio = (fmt_max / 2.0**recipe.margin) / (ELEMENT_MAX[old.fmt] / 2.0**old.margin)
+            converted = (self.scale.double() * ratio).clamp_max(FP32_MAX).float()
+            fallback = torch.where(self.scale == 1.0, 1.0, converted)
+        amax = self.history.amax(dim=0)
+        self.scale.copy_(scale_from_amax(amax, fmt_max, margin=recipe.margin, fallback=fallback))
         self.origin = origin
 
 
@@ -258,11 +277,13 @@ class Slab:
         return [m for m in (ref() for ref in self.members) if m is not None]
 
     def add(self, meta: ScalingMeta) -> None:
-        """Take ``meta`` in: its values, fitted to this slab's recipe (history length,
-        format and margin, see ``ScalingMeta.adopt``), become new columns of the slab."""
+        """Take ``meta`` in: its values, fitted to this slab's recipe (format and margin,
+        see ``ScalingMeta.adopt``, then history length), become new columns of the slab."""
         meta.detach()
-        meta.resize_history(self.recipe.amax_history_len)
+        # Refitted before the resize, so that a shorter window still recomputes the
+        # scales from every amax the saved history holds.
         meta.adopt(self.recipe, self.fmt)
+        meta.resize_history(self.recipe.amax_history_len)
         self._rebuild([*self.live_members(), meta])
 
     def remove(self, meta: ScalingMeta) -> None:

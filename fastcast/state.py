@@ -132,15 +132,26 @@ class ThreadState:
 
 
 _threads = threading.local()
-# How many thread states hold a stateful scheme's state: while none does (stateless
-# recipes only), autocast's exit skips the per-thread look-up altogether.
+# How many live thread states hold a stateful scheme's state: while none does (stateless
+# recipes only), autocast's exit skips the per-thread look-up altogether. Counted up
+# when a thread state first holds one, down when that thread state is freed (its thread
+# ended), under a lock (``+=`` on a global is not atomic across threads).
 stateful_threads = 0
+_stateful_lock = threading.Lock()
 
 
-def note_stateful_thread() -> None:
+def note_stateful_thread(ts: ThreadState) -> None:
     """Called once per thread state when a stateful scheme first keeps state in it."""
     global stateful_threads
-    stateful_threads += 1
+    with _stateful_lock:
+        stateful_threads += 1
+    weakref.finalize(ts, _forget_stateful_thread)
+
+
+def _forget_stateful_thread() -> None:
+    global stateful_threads
+    with _stateful_lock:
+        stateful_threads -= 1
 
 
 def thread_state() -> ThreadState:

@@ -478,3 +478,57 @@ def test_a_stride_0_state_in_a_weights_only_file_is_refused_before_copying(versi
         tracemalloc.stop()
     assert elapsed < 5 and peak < 100 << 20
     _assert_unchanged(lin, before)
+
+
+@pytest.mark.parametrize("history_len", [1, 4])
+def test_resuming_under_another_format_never_applies_the_saved_gradient_scale(history_len):
+    """Saved under HYBRID (e5m2 gradients), resumed under E4M3: the first step's weight
+    gradient is as accurate as a fresh module's, against a float64 reference. With
+    ``amax_history_len=1`` the saved history holds no amax to recompute from; the e5m2
+    scale (~128x too large for e4m3) used to be kept and flushed most of the gradient."""
+    torch.manual_seed(0)
+    saved = fc.Linear(64, 32)
+    hybrid = fc.DelayedScaling(fp8_format=fc.Format.HYBRID, amax_history_len=history_len)
+    e4m3 = fc.DelayedScaling(fp8_format=fc.Format.E4M3, amax_history_len=history_len)
+    gen = torch.Generator().manual_seed(1)
+    grad_scale = 1e-3  # small gradients: where an e5m2 scale is far off for e4m3
+
+    def step(lin, recipe, x):
+        with fc.autocast(recipe=recipe):
+            y = lin(x)
+        (y * grad_scale).sum().backward()
+        return y
+
+    for _ in range(3):
+        isolated(step, saved, hybrid, torch.randn(16, 64, generator=gen))
+    sd = saved.state_dict()
+    assert fc.read_extra_state(sd["_extra_state"])["backward"]["origin"]["fmt"] == "e5m2"
+
+    x = torch.randn(16, 64, generator=gen)
+    resumed = fc.Linear(64, 32)
+    resumed.load_state_dict(sd)
+    isolated(step, resumed, e4m3, x)
+    # float64 reference: dW = grad_scale * sum over tokens of x (the output gradient is
+    # grad_scale everywhere).
+    reference = (grad_scale * torch.ones(16, 32, dtype=torch.float64)).T @ x.double()
+    error = (resumed.weight.grad.double() - reference).norm() / reference.norm()
+    assert error < 0.1, error.item()  # 0.99 with the e5m2 scale kept
+    view = fc.read_extra_state(resumed.get_extra_state())
+    assert view["backward"]["origin"]["fmt"] == "e4m3"
+    if history_len == 1:
+        # The step ran with the scale e4m3 gives the amax the saved e5m2 scale stood
+        # for: 448 / (57344 / saved), computed here in float64.
+        saved_scale = fc.read_extra_state(sd["_extra_state"])["backward"]["scale"]
+        expected = (saved_scale.double() * 448.0 / 57344.0).float()
+        used = isolated(_scale_used_by_first_backward, sd, e4m3)
+        assert torch.equal(used, expected)
+
+
+def _scale_used_by_first_backward(sd, recipe):
+    """The gradient scale a module loaded from ``sd`` quantizes its first backward with
+    (read right after its first forward, before the backward updates it)."""
+    lin = fc.Linear(64, 32)
+    lin.load_state_dict(sd)
+    with fc.autocast(recipe=recipe):
+        lin(torch.randn(4, 64))
+    return fc.read_extra_state(lin.get_extra_state())["backward"]["scale"]

@@ -14,10 +14,13 @@ import gc
 import io
 import math
 import pickle
+import re
 
 import pytest
 import torch
 from _contexts import isolated
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -629,12 +632,12 @@ def test_backward_watch_hooks_a_weight_once_and_forgets_it_when_it_dies(monkeypa
     live weight whatever the number of calls, and nothing kept for dead weights."""
     import threading  # noqa: PLC0415
 
-    from fastcast.schemes.delayed import DelayedThreadState  # noqa: PLC0415
+    from fastcast.schemes.delayed import DelayedState  # noqa: PLC0415
 
-    state = DelayedThreadState(threading.current_thread())
+    state = DelayedState(threading.current_thread())
     ends: list[int] = []
     # Count the step ends the hooks queue.
-    monkeypatch.setattr(DelayedThreadState, "_backward_finished", lambda self: ends.append(1))
+    monkeypatch.setattr(DelayedState, "_backward_finished", lambda self: ends.append(1))
     weight = torch.ones(3, requires_grad=True)
     for _ in range(3):
         state.watch_backward(weight)
@@ -644,3 +647,149 @@ def test_backward_watch_hooks_a_weight_once_and_forgets_it_when_it_dies(monkeypa
     del weight
     gc.collect()
     assert len(state.watched) == 0
+
+
+# -- concurrency: asyncio tasks and threads ----------------------------------------------------
+# The property: concurrent use of DelayedScaling modules leaves every module's amax
+# histories and scales (its extra state) exactly as running the same steps one after
+# another would, or is refused with a clear error before the refused caller changed
+# anything.
+REFUSED = "in use by (asyncio task|thread)"
+
+
+def _step_inputs(worker, step):
+    g = torch.Generator().manual_seed(1000 * worker + step)
+    return torch.randn(4, 8, generator=g) * (1 + step), torch.randn(4, 8, generator=g) * 0.5
+
+
+def _sequential(model, recipe, runs):
+    """``runs`` (``(worker, steps)``) one after another on ``model``, no concurrency."""
+
+    def body():
+        for worker, steps in runs:
+            for step in range(steps):
+                a, b = _step_inputs(worker, step)
+                with fc.autocast(recipe=recipe):
+                    y = model(a) + model(b)
+                y.pow(2).sum().backward()
+
+    isolated(body)
+    return model
+
+
+def _same_state(actual, expected):
+    return torch.equal(actual.get_extra_state(), expected.get_extra_state())
+
+
+async def _task_steps(model, recipe, worker, steps, pauses, claimed):
+    """One task's steps; the layer runs twice per step, across awaits (``pauses``: how
+    many times to yield at each await point, chosen by the test)."""
+    import asyncio  # noqa: PLC0415
+
+    pause = iter(pauses)
+    for step in range(steps):
+        a, b = _step_inputs(worker, step)
+        with fc.autocast(recipe=recipe):
+            y = model(a)
+            if step == 0:
+                claimed.append(worker)
+            for _ in range(next(pause, 0)):
+                await asyncio.sleep(0)
+            y = y + model(b)
+        for _ in range(next(pause, 0)):
+            await asyncio.sleep(0)
+        y.pow(2).sum().backward()
+        for _ in range(next(pause, 0)):
+            await asyncio.sleep(0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    history_len=st.integers(1, 4),
+    steps=st.lists(st.integers(1, 3), min_size=2, max_size=3),
+    pauses=st.lists(st.integers(0, 2), min_size=9, max_size=9),
+    shared=st.booleans(),
+)
+def test_asyncio_tasks_equal_sequential_steps_or_are_refused(history_len, steps, pauses, shared):
+    import asyncio  # noqa: PLC0415
+
+    recipe = fc.DelayedScaling(amax_history_len=history_len)
+    torch.manual_seed(0)
+    base = fc.Linear(8, 8)
+    initial = copy.deepcopy(base)
+    models = [base] if shared else [copy.deepcopy(base) for _ in steps]
+    claimed, outcomes = [], []
+
+    async def main():
+        tasks = [
+            asyncio.create_task(
+                _task_steps(models[0 if shared else w], recipe, w, n, pauses[w::3], claimed)
+            )
+            for w, n in enumerate(steps)
+        ]
+        outcomes.extend(await asyncio.gather(*tasks, return_exceptions=True))
+
+    isolated(asyncio.run, main())
+    for outcome in outcomes:
+        if outcome is not None:
+            assert shared and isinstance(outcome, RuntimeError), outcome
+            assert re.search(REFUSED, str(outcome))
+    done = [w for w, outcome in enumerate(outcomes) if outcome is None]
+    assert done  # the first task to run a module always may
+    if shared:
+        # Refused at its first call (it ran nothing); the others ran one after another,
+        # in the order they claimed the module.
+        assert [w for w in claimed if w in done] == claimed
+        expected = _sequential(initial, recipe, [(w, steps[w]) for w in claimed])
+        assert _same_state(base, expected)
+    else:
+        for w, n in enumerate(steps):
+            assert _same_state(models[w], _sequential(copy.deepcopy(initial), recipe, [(w, n)]))
+
+
+@settings(max_examples=8, deadline=None)
+@given(threads=st.integers(2, 3), steps=st.integers(1, 3))
+def test_threads_starting_on_a_fresh_module_at_once_one_runs_others_are_refused(threads, steps):
+    """The claim is atomic: threads that first use a fresh module at the same moment
+    never both run it; the ones that ran did so one after another."""
+    import threading  # noqa: PLC0415
+
+    recipe = fc.DelayedScaling(amax_history_len=3)
+    torch.manual_seed(0)
+    base = fc.Linear(8, 8)
+    initial = copy.deepcopy(base)
+    barrier = threading.Barrier(threads, timeout=30)
+    lock = threading.Lock()
+    claimed, outcomes = [], {}
+
+    def worker(w):
+        def body():
+            barrier.wait()
+            for step in range(steps):
+                a, b = _step_inputs(w, step)
+                with fc.autocast(recipe=recipe):
+                    y = base(a)
+                    if step == 0:
+                        with lock:
+                            claimed.append(w)
+                    y = y + base(b)
+                y.pow(2).sum().backward()
+
+        try:
+            isolated(body)
+            outcomes[w] = None
+        except RuntimeError as exc:
+            outcomes[w] = exc
+
+    pool = [threading.Thread(target=worker, args=(w,)) for w in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(60)
+    assert len(outcomes) == threads
+    for outcome in outcomes.values():
+        assert outcome is None or re.search(REFUSED, str(outcome)), outcome
+    done = sorted(w for w, outcome in outcomes.items() if outcome is None)
+    assert done and sorted(claimed) == done
+    expected = _sequential(initial, recipe, [(w, steps) for w in claimed])
+    assert _same_state(base, expected)

@@ -31,7 +31,7 @@ HOT_PATH = {
     "fastcast.Linear.forward": lambda: vars(linear.Linear)["forward"],
     "fastcast.Linear.backward": lambda: vars(function.LinearFunction)["backward"].__func__,
     "fastcast.scaled_mm": lambda: gemm._product,  # behind fc.scaled_mm and fc.Linear's GEMMs
-    "fastcast.amax_update": lambda: vars(delayed.DelayedThreadState)["end"],
+    "fastcast.amax_update": lambda: vars(delayed.DelayedState)["end"],
 }
 
 

@@ -285,3 +285,27 @@ def test_reenabled_level_inside_a_step_does_not_open_another():
         with fc.autocast(enabled=False, recipe=r):
             with fc.autocast(recipe=r) as inner:
                 assert not inner.opens_step()
+
+
+def test_stateful_thread_count_follows_live_threads():
+    """``stateful_threads`` counts thread states that hold a stateful scheme's state:
+    it goes back down when such a thread ends (it only grew before)."""
+    import gc  # noqa: PLC0415
+
+    gc.collect()
+    before = state.stateful_threads
+
+    def worker():
+        DelayedThreadState.of(state.thread_state())
+        seen.append(state.stateful_threads)
+
+    seen = []
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert len(seen) == 3 and max(seen) > before
+    del threads, t
+    gc.collect()
+    assert state.stateful_threads == before

@@ -54,7 +54,10 @@ def traced_delayed_plan(module: Any, frame: AutocastFrame) -> Plan:
         )
     comptime(_refuse_subgraph)
     if _entered_in_graph():  # refused before joining: a refused trace changes nothing
-        raise RuntimeError(_INSIDE)
+        # Raised while tracing rather than traced: Dynamo reports an exception raised by
+        # the traced code as its own "Observed exception" with ours buried in its debug
+        # context; one raised by a comptime function reaches the caller as it is.
+        comptime(_refuse_inside)
     # The recipe goes by value (its type and fields): an equal recipe does not recompile.
     _join_delayed(module, type(recipe), recipe._values)
     fwd, bwd = module._metas[FORWARD], module._metas[BACKWARD]
@@ -88,6 +91,10 @@ _INSIDE = (
     "function; enter it in eager around the compiled model (torch.compile(model)), or use "
     "Float8CurrentScaling"
 )
+
+
+def _refuse_inside(ctx: Any) -> None:
+    raise RuntimeError(_INSIDE)
 
 
 def _entered_in_graph() -> bool:

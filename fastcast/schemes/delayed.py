@@ -6,9 +6,13 @@ The one stateful scheme, and everything it means lives here:
   (input, weight) and backward (grad_output), whose tensors are column views into one
   ``Slab`` per (autocast key, direction, device) (``fastcast.delayed``), so an update
   costs a fixed number of tensor operations whatever the number of modules;
-- per thread (``DelayedThreadState``): the slabs, and which of them recorded amaxes
-  since their last update. A module's metas join one thread's slabs; using the module
-  from another live thread at the same time is refused (it would race on the slabs);
+- per owner (``DelayedState``): the slabs, and which of them recorded amaxes since
+  their last update. The owner is the asyncio task running the module, or the thread
+  when no task runs (``DelayedThreadState`` holds a thread's owners). A module's metas
+  join one owner's slabs; using the module from another owner while the first is alive
+  (a live thread, a task not done) is refused, so steps of concurrent tasks never see
+  each other's updates; the claim is atomic (``_claims``). The thread's own owner
+  lends its modules to the tasks of its thread (it cannot run while they do);
 - per call (``DelayedCall``): the quantizers; under activation checkpointing the input
   scale and quantized weight the original call used, which its recomputation replays;
 - lifecycle: forward scales update when the outermost active autocast exits after a
@@ -23,6 +27,8 @@ from __future__ import annotations
 
 import threading
 import weakref
+from asyncio import current_task
+from asyncio.events import _get_running_loop
 from typing import Any, ClassVar
 
 import torch
@@ -38,8 +44,9 @@ from ..tensor import TENSORWISE
 from .base import Plan, Scheme, register_scheme
 
 
-class DelayedThreadState:
-    """Per-thread delayed-scaling state: slabs by (autocast key, direction, device)."""
+class DelayedState:
+    """One owner's delayed-scaling state (an asyncio task's, or a thread's when no task
+    runs): slabs by (autocast key, direction, device), and what its step has pending."""
 
     __slots__ = (
         "slabs",
@@ -47,11 +54,13 @@ class DelayedThreadState:
         "compiled",
         "watched",
         "thread",
+        "owner_ts",
+        "task",
         "backward_task",
         "backward_groups",
     )
 
-    def __init__(self, thread: threading.Thread) -> None:
+    def __init__(self, thread: threading.Thread, task: Any = None, ts: Any = None) -> None:
         self.slabs: dict[tuple, Slab] = {}
         # Slabs with amaxes recorded since their last update, per direction.
         self.pending: tuple[set[Slab], set[Slab]] = (set(), set())
@@ -60,19 +69,32 @@ class DelayedThreadState:
         self.compiled: set[Slab] = set()
         # id -> the tensor, see watch_backward; an entry goes when its tensor dies.
         self.watched: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        self.thread = thread  # the thread whose ThreadState holds this
+        self.thread = thread  # the thread it runs on
+        self.owner_ts = ts  # that thread's ThreadState (plans compare it per call)
+        # The asyncio task, weakly (modules keep their owner, not a finished task's
+        # result); None for the thread's own state.
+        self.task: weakref.ref | None = None if task is None else weakref.ref(task)
         # The backward pass whose end is already queued, and the groups it ran under.
         self.backward_task: int | None = None
         self.backward_groups: list[Any] = []
 
     @staticmethod
-    def of(ts: ThreadState) -> DelayedThreadState:
-        """``ts``'s delayed-scaling state, created on first use."""
-        state = ts.schemes.get(DelayedScalingScheme)
-        if state is None:
-            state = ts.schemes[DelayedScalingScheme] = DelayedThreadState(ts.thread)
-            note_stateful_thread()
-        return state
+    def of(ts: ThreadState) -> DelayedState:
+        """The current owner's state in thread state ``ts``, created on first use."""
+        return DelayedThreadState.of(ts).current()
+
+    def alive(self) -> bool:
+        """Whether this owner may still run: its thread is alive, its task not done."""
+        if self.task is None:
+            return self.thread.is_alive()
+        task = self.task()
+        return task is not None and not task.done() and self.thread.is_alive()
+
+    def describe(self) -> str:
+        task = None if self.task is None else self.task()
+        if task is None:
+            return f"thread {self.thread.name!r}"
+        return f"asyncio task {task.get_name()!r} (thread {self.thread.name!r})"
 
     def slab(self, key: tuple, group: Any, direction: int, fmt: str, device: torch.device) -> Slab:
         slab_key = (key, direction, device)
@@ -109,14 +131,12 @@ class DelayedThreadState:
             ):
                 slab.update()
 
-    def frame_exited(self, frame: AutocastFrame, below: Stack, ok: bool) -> None:
-        """An autocast level exited: the outermost active one ends the forward step.
+    def step_exited(self, frame: AutocastFrame, ok: bool) -> None:
+        """The forward step this owner ran in ended (its outermost active autocast exited).
 
         Scales move only after training (grad-enabled) or calibrating forwards that
         finished (``ok``); amaxes seen otherwise stay recorded and join the next update.
         """
-        if not frame.opens_step(below):
-            return
         # A pass whose end is still pending when the next forward step ends failed before
         # its callbacks ran: forget it, so that the next pass queues its own end.
         self.backward_task = None
@@ -163,8 +183,60 @@ class DelayedThreadState:
         self.end(BACKWARD, groups)
 
 
+class DelayedThreadState:
+    """A thread's delayed-scaling owners: its own state, and one per asyncio task that ran
+    delayed-scaling modules on it. An autocast exit that ends a step ends it for the
+    owner running it, and for the finished tasks whose steps it enclosed (tasks a step
+    gathered ran their modules under its autocast; their amaxes join its update)."""
+
+    __slots__ = ("thread", "ts", "own", "tasks")
+
+    def __init__(self, thread: threading.Thread, ts: Any = None) -> None:
+        self.thread = thread
+        self.ts = ts
+        self.own = DelayedState(thread, None, ts)
+        # Task -> its state, held until a step exit after the task is done has ended its
+        # step: a finished task's pending amaxes must reach an update.
+        self.tasks: dict[Any, DelayedState] = {}
+
+    @staticmethod
+    def of(ts: ThreadState) -> DelayedThreadState:
+        """``ts``'s delayed-scaling owners, created on first use."""
+        state = ts.schemes.get(DelayedScalingScheme)
+        if state is None:
+            state = ts.schemes[DelayedScalingScheme] = DelayedThreadState(ts.thread, ts)
+            note_stateful_thread(ts)
+        return state  # type: ignore[return-value]
+
+    def current(self) -> DelayedState:
+        """The state of what runs now: the current asyncio task's, else the thread's."""
+        loop = _get_running_loop()
+        if loop is None:
+            return self.own
+        task = current_task(loop)
+        if task is None:
+            return self.own
+        state = self.tasks.get(task)
+        if state is None:
+            state = self.tasks[task] = DelayedState(self.thread, task, self.ts)
+        return state
+
+    def frame_exited(self, frame: AutocastFrame, below: Stack, ok: bool) -> None:
+        """An autocast level exited: the outermost active one ends the forward step."""
+        if not frame.opens_step(below):
+            return
+        current = self.current()
+        current.step_exited(frame, ok)
+        if self.tasks:
+            for task, state in list(self.tasks.items()):
+                if task.done():
+                    if state is not current:
+                        state.step_exited(frame, ok)
+                    del self.tasks[task]
+
+
 class DelayedPlan(Plan):
-    """A module's delayed-scaling plan: its metas attached to this thread's slabs."""
+    """A module's delayed-scaling plan: its metas attached to one owner's slabs."""
 
     __slots__ = ("state", "fwd_slab", "bwd_slab", "fwd_meta", "bwd_meta")
 
@@ -172,7 +244,7 @@ class DelayedPlan(Plan):
         self,
         recipe: DelayedScaling,
         group: Any,
-        state: DelayedThreadState,
+        state: DelayedState,
         slabs: tuple[Slab, Slab],
         metas: tuple[ScalingMeta, ScalingMeta],
     ) -> None:
@@ -189,11 +261,17 @@ class DelayedPlan(Plan):
         self.fwd_meta, self.bwd_meta = metas
 
     def matches(self, frame: AutocastFrame) -> bool:
-        return (
-            frame.recipe is self.recipe
-            and frame.group is self.group
-            and thread_state().schemes.get(DelayedScalingScheme) is self.state
-        )
+        # What DelayedState.of(thread_state()) is self.state says, without its calls.
+        if frame.recipe is not self.recipe or frame.group is not self.group:
+            return False
+        state = self.state
+        if state.owner_ts is not thread_state():
+            return False
+        loop = _get_running_loop()
+        task = None if loop is None else current_task(loop)
+        if task is None:
+            return state.task is None
+        return state.task is not None and state.task() is task
 
     def call(self, autograd: bool, replay: Any = None, record: Any = None) -> DelayedCall:
         return DelayedCall(self, replay, record)
@@ -275,23 +353,26 @@ class DelayedScalingScheme(Scheme):
         self, frame: AutocastFrame, module_state: dict[Any, Any], device: torch.device
     ) -> DelayedPlan:
         """Attach the module's metas (``module_state``: direction -> ScalingMeta, made
-        here on first use) to this thread's slabs for the frame's key."""
+        here on first use) to the current owner's slabs for the frame's key."""
         recipe = frame.recipe
-        state = DelayedThreadState.of(thread_state())
-        for meta in module_state.values():
-            _refuse_concurrent_use(meta, state)
+        state = DelayedState.of(thread_state())
         key = frame.key()
-        self.prepare(recipe, module_state, device)
-        slabs, metas = [], []
-        for direction, _, elem in _directions(recipe):
-            meta = module_state[direction]
-            if meta.history.device != device:
-                meta.move_to(device)
-            slab = state.slab(key, frame.group, direction, elem, device)
-            if meta.slab is not slab:
-                slab.add(meta)
-            slabs.append(slab)
-            metas.append(meta)
+        # Checked and claimed under one lock: two owners that find the module free at
+        # the same moment cannot both take it.
+        with _claims:
+            for meta in module_state.values():
+                _refuse_concurrent_use(meta, state)
+            self.prepare(recipe, module_state, device)
+            slabs, metas = [], []
+            for direction, _, elem in _directions(recipe):
+                meta = module_state[direction]
+                if meta.history.device != device:
+                    meta.move_to(device)
+                slab = state.slab(key, frame.group, direction, elem, device)
+                if meta.slab is not slab:
+                    slab.add(meta)
+                slabs.append(slab)
+                metas.append(meta)
         return DelayedPlan(recipe, frame.group, state, tuple(slabs), tuple(metas))
 
     def join_compiled(
@@ -327,14 +408,23 @@ def _directions(recipe: DelayedScaling) -> tuple[tuple[int, int, str], ...]:
     return ((FORWARD, 2, fmt.fwd), (BACKWARD, 1, fmt.bwd))
 
 
-def _refuse_concurrent_use(meta: ScalingMeta, state: DelayedThreadState) -> None:
-    """A module's metas belong to one thread's slabs at a time; taking them while that
-    thread still runs would race with its updates (and rebuild plans call after call)."""
+# Makes a module's check-and-claim atomic across threads (plan builds only, not per call).
+_claims = threading.Lock()
+
+
+def _refuse_concurrent_use(meta: ScalingMeta, state: DelayedState) -> None:
+    """A module's metas belong to one owner's slabs at a time; taking them while that
+    owner (another thread, or another asyncio task) may still run would race with its
+    updates, or move scales in the middle of its step. A thread's own state lends to the
+    tasks of the same thread (it cannot run while they do); a finished owner gives up."""
     owner = getattr(meta.slab, "owner", None)
-    if owner is None or owner is state or not owner.thread.is_alive():
+    if owner is None or owner is state or not owner.alive():
+        return
+    if owner.task is None and owner.thread is state.thread:
         return
     raise RuntimeError(
-        f"fastcast: a DelayedScaling module is in use by thread {owner.thread.name!r}; "
-        "its amax history and scales belong to one thread at a time. Give each thread its "
-        "own copy (copy.deepcopy), or use Float8CurrentScaling, which keeps no state"
+        f"fastcast: a DelayedScaling module is in use by {owner.describe()}; its amax "
+        "history and scales belong to one thread or asyncio task at a time. Give each "
+        "thread or task its own copy (copy.deepcopy), or use Float8CurrentScaling, which "
+        "keeps no state"
     )
