@@ -94,6 +94,7 @@ class Linear(nn.Linear):
             if frame.calibrating and replay is None:
                 self._calibrate(x, weight, frame)
             return F.linear(x, weight, bias)
+        frame.ran = True  # fc.autocast warns at exit when no layer ran in it
 
         # Errors below name the layer (see _where); the try costs nothing when none is raised.
         try:
