@@ -106,6 +106,11 @@ def get_autocast_recipe() -> Recipe | None:
     return get_stack()[0].recipe
 
 
+def mark_ran(frame: AutocastFrame) -> None:
+    """Called by a fastcast layer that runs quantized under ``frame`` (see ``ran``)."""
+    frame.ran = True
+
+
 # Whether fc.autocast still has to warn that an enabled autocast saw no fastcast layer
 # run (once per process; autocast.py).
 unused_autocast_warning_due = True

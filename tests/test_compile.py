@@ -250,7 +250,7 @@ def test_compiled_model_reads_the_autocast_state_of_its_calling_context():
     import warnings  # noqa: PLC0415
 
     model, x = _mlp(), torch.randn(32, 64)
-    r1, r2 = fc.Float8CurrentScaling(), fc.Float8CurrentScaling(fp8_format=fc.Format.E4M3)
+    r1, r2 = fc.Float8CurrentScaling(), fc.Float8RowwiseScaling()
 
     def eager(recipe):
         with fc.autocast(enabled=recipe is not None, recipe=recipe or r1):

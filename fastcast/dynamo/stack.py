@@ -18,6 +18,8 @@ import importlib
 from typing import Any
 
 import torch
+from torch._dynamo import assume_constant_result
+from torch._dynamo.symbolic_convert import InstructionTranslator
 
 from .. import state as _state
 
@@ -34,3 +36,21 @@ def _traced_ran_nothing(below: Any) -> None:
     # A graph does not warn (a warning is not an operation Dynamo can put in a graph); the
     # eager autocast around a compiled model still does.
     return None
+
+
+@_substitute(_state.mark_ran, skip_signature_check=True)
+def _traced_mark_ran(frame: Any) -> None:
+    # The store is a side effect Dynamo replays after the graph, on the frame of the
+    # calling context. Inside a higher-order op's body (activation checkpointing) Dynamo
+    # refuses outside mutations, so there it is skipped: an eager autocast whose only
+    # layers ran in a compiled checkpointed region may warn that none ran.
+    if not _in_subgraph():
+        frame.ran = True
+
+
+@assume_constant_result
+def _in_subgraph() -> bool:
+    """Runs for real while tracing: whether the layer is traced inside a higher-order
+    op's body (a fact of where the code is traced, the same on every call)."""
+    tx = InstructionTranslator.current_tx()
+    return tx.output.current_tracer.parent is not None
