@@ -643,3 +643,20 @@ def test_no_warning_when_a_layer_ran_at_any_level(unused_warning_due):
         with fc.autocast(recipe=r):
             with fc.autocast(False, recipe=r):
                 model(x)
+
+
+def test_one_refresh_applies_both_environment_settings(monkeypatch):
+    from fastcast.kernels import choice  # noqa: PLC0415
+
+    x = torch.empty(1)
+    monkeypatch.setenv("FASTCAST_KERNELS", "reference")
+    hardware.refresh()
+    try:
+        assert choice.fused_op("quantize_tensorwise", x) is None  # the reference runs
+        monkeypatch.setenv("FASTCAST_KERNELS", "bogus")
+        hardware.refresh()
+        with pytest.raises(ValueError, match="FASTCAST_KERNELS"):
+            choice.fused_op("quantize_tensorwise", x)
+    finally:
+        monkeypatch.undo()
+        hardware.refresh()
