@@ -111,6 +111,9 @@ def mark_ran(frame: AutocastFrame) -> None:
     frame.ran = True
 
 
+# Whether fastcast's tracing ranges are on (fastcast.profiling: enable/disable set it).
+ranges_on = False
+
 # Whether fc.autocast still has to warn that an enabled autocast saw no fastcast layer
 # run (once per process; autocast.py).
 unused_autocast_warning_due = True
