@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -11,14 +12,64 @@ from .hardware import default_device_type, on_refresh
 from .profiling import annotate
 from .recipe import Recipe
 from .schemes import default_recipe, scheme_for
-from .state import AutocastFrame, Stack, get_stack, set_stack, thread_state
+from .state import AutocastFrame, Stack, frames, get_stack, reset_stack, set_stack, thread_state
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 # Recipe types that passed the support check on this machine (a cache of a fixed fact,
-# emptied when the capability answers are refreshed).
+# emptied when the capability answers are refreshed), and the recipe types constructors
+# have seen (the fast path of the argument check; a fixed fact too).
 _runnable: set[type] = set()
 on_refresh(_runnable.clear)
+_recipe_types: set[type] = set()
+
+_NOT_HERE = (
+    "fc.autocast: exiting an autocast that is not active here (it already exited, or it "
+    "was entered in another thread, task or context)"
+)
+
+
+class UnusedAutocastWarning(UserWarning):
+    """An enabled ``fc.autocast`` exited without any fastcast layer having run inside it."""
+
+
+def _checked(enabled: Any, misplaced: tuple, recipe: Any, calibrating: Any) -> Recipe:
+    """The constructor's arguments checked (a TypeError naming the problem); the recipe,
+    the default one for None."""
+    if misplaced:
+        raise TypeError(
+            f"fc.autocast: recipe and the arguments after it are keyword-only: write "
+            f"fc.autocast({enabled!r}, recipe=...), got {len(misplaced)} more positional "
+            f"argument(s): {', '.join(map(repr, misplaced))}"
+        )
+    if enabled.__class__ is not bool:
+        raise TypeError(
+            f"fc.autocast: enabled must be a bool, got {enabled!r} (arguments after "
+            "enabled are keyword-only: fc.autocast(recipe=...))"
+        )
+    if calibrating.__class__ is not bool:
+        raise TypeError(f"fc.autocast: calibrating must be a bool, got {calibrating!r}")
+    if recipe is None:
+        return default_recipe()
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"fc.autocast: recipe must be a fastcast recipe, got {recipe!r}")
+    _recipe_types.add(type(recipe))
+    return recipe
+
+
+def _ran_nothing(below: Stack) -> None:
+    """Warn when the outermost enabled autocast saw no fastcast layer run: the model was
+    most likely never converted (``fc.convert``), so it ran exactly in high precision."""
+    if any(frame.enabled for frame in frames(below)):
+        return  # an enabled level below decides when it exits
+    _state.unused_autocast_warning_due = False  # once per process: one cause, one warning
+    warnings.warn(
+        "fc.autocast was enabled but no fastcast layer ran inside it, so nothing ran in "
+        "FP8/FP4: convert the model first (model = fc.convert(model)), or check that the "
+        "converted model is the one called inside the block",
+        UnusedAutocastWarning,
+        stacklevel=3,
+    )
 
 
 class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
@@ -51,43 +102,57 @@ class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
     def __init__(
         self,
         enabled: bool = True,
-        *,
+        *misplaced: Any,
         recipe: Recipe | None = None,
         calibrating: bool = False,
         amax_reduction_group: Any = None,
     ) -> None:
-        if enabled.__class__ is not bool:
-            raise TypeError(
-                f"fc.autocast: enabled must be a bool, got {enabled!r} (arguments after "
-                "enabled are keyword-only: fc.autocast(recipe=...))"
-            )
-        if calibrating.__class__ is not bool:
-            raise TypeError(f"fc.autocast: calibrating must be a bool, got {calibrating!r}")
-        if recipe is None:
-            recipe = default_recipe()
-        elif not isinstance(recipe, Recipe):
-            raise TypeError(f"fc.autocast: recipe must be a fastcast recipe, got {recipe!r}")
+        # One test for the usual call; _checked explains anything else.
+        if (
+            misplaced
+            or enabled.__class__ is not bool
+            or calibrating.__class__ is not bool
+            or recipe.__class__ not in _recipe_types
+        ):
+            recipe = _checked(enabled, misplaced, recipe, calibrating)
         self.enabled = enabled
         self.recipe = recipe
         self.calibrating = calibrating
         self.group = amax_reduction_group
+        self.ran = False
 
     @annotate("fastcast.autocast.enter")
     def __enter__(self) -> autocast:
         below = get_stack()
         if self.recipe.__class__ not in _runnable:
             self._check_recipe()
-        if below[1] is not None:  # nested (BOTTOM alone has nothing below): refuse this
-            # instance if it is already below. (Dynamo cannot trace `is` between tuples.)
-            node = below
-            while node is not None:
-                if node[0] is self:
-                    raise RuntimeError(
-                        "this fc.autocast instance is already active here; create a new one"
-                    )
-                node = node[1]
-        set_stack((self, below))
+        if below[1] is not None:  # nested: refuse this instance if it is already below
+            self._refuse_reentry(below)
+        node = [self, below, None]
+        node[2] = set_stack(node)  # the token that restores ``below`` (see state.Stack)
         return self
+
+    @annotate("fastcast.autocast.exit")
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        node = get_stack()
+        if node[0] is not self:
+            node = self._exit_out_of_order(node)  # raises once the stack is repaired
+        try:
+            reset_stack(node[2])
+        except ValueError:  # the token belongs to another context
+            raise RuntimeError(_NOT_HERE) from None
+        below = node[1]
+        if not self.ran:
+            if self.enabled and _state.unused_autocast_warning_due:
+                _ran_nothing(below)
+        elif below[1] is not None:  # nested: what ran here ran inside the levels below too
+            below[0].ran = True
+        # Stateful schemes (delayed scaling) decide whether this level ends the step. The
+        # stack is already restored, so an error raised here leaves no level active.
+        if _state.stateful_threads:
+            schemes = thread_state().schemes
+            for scheme_state in schemes.values():
+                scheme_state.frame_exited(self, below, exc_type is None)
 
     def _check_recipe(self) -> None:
         # A recipe type this machine cannot run raises when enabled (a disabled level
@@ -99,32 +164,27 @@ class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
         elif self.enabled:
             raise RuntimeError(f"{type(recipe).__name__} cannot run here: {why}")
 
-    @annotate("fastcast.autocast.exit")
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        stack = get_stack()
-        if stack[0] is self:
-            below = stack[1]
-            set_stack(below)
-        else:
-            below = self._exit_out_of_order(stack)
-        # Stateful schemes (delayed scaling) decide whether this level ends the step. The
-        # stack is already restored, so an error raised here leaves no level active.
-        if _state.stateful_threads:
-            schemes = thread_state().schemes
-            for scheme_state in schemes.values():
-                scheme_state.frame_exited(self, below, exc_type is None)
+    def _refuse_reentry(self, below: Stack) -> None:
+        node = below
+        while node is not None:
+            if node[0] is self:
+                raise RuntimeError(
+                    "this fc.autocast instance is already active here; create a new one"
+                )
+            node = node[1]
 
     def _exit_out_of_order(self, stack: Stack) -> Stack:
-        """Exit of a level that is not the innermost one: repair the stack, then raise."""
+        """Exit of a level that is not the innermost one: exit the levels above it with
+        it (its token restores the stack below it), then raise."""
         node = stack
         while node is not None and node[0] is not self:
             node = node[1]
         if node is None:
-            raise RuntimeError(
-                "fc.autocast: exiting an autocast that is not active here (it already "
-                "exited, or it was entered in another thread, task or context)"
-            )
-        set_stack(node[1])
+            raise RuntimeError(_NOT_HERE)
+        try:
+            reset_stack(node[2])
+        except ValueError:
+            raise RuntimeError(_NOT_HERE) from None
         inner = []
         while stack is not node:
             inner.append(repr(stack[0].recipe))

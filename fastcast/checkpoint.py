@@ -61,7 +61,7 @@ from .delayed import (
 )
 from .formats import FP8_FORMATS
 from .pickles import describe_pickle, payload_bytes
-from .state import unsafe_extra_state
+from .state import UnsafeExtraState, unsafe_extra_state_allowed
 from .te_state import TE_ALLOW_LIST, TE_KEYS, describe_items, from_transformer_engine, hashable
 from .unpickling import unpickle
 
@@ -85,7 +85,7 @@ _V1_FORMAT = "fastcast.extra_state"
 _V1_DIRECTIONS = {"forward": FORWARD, "backward": BACKWARD}
 
 
-class allow_unsafe_extra_state:  # noqa: N801 - lower case like fc.autocast
+class allow_unsafe_extra_state(UnsafeExtraState):  # noqa: N801 - lower case like fc.autocast
     """Allow modules in this context to unpickle a foreign extra state (TransformerEngine's).
 
     ::
@@ -105,17 +105,11 @@ class allow_unsafe_extra_state:  # noqa: N801 - lower case like fc.autocast
     ``asyncio.to_thread`` / ``copy_context().run`` calls made inside it; other threads,
     tasks created elsewhere (even while the block is suspended at an ``await``) never see
     it. Blocks nest, the same instance may be entered again while active, and each exit
-    (exceptions included) takes back exactly what its entry gave.
+    (exceptions included) takes back exactly what its entry gave, in every context that
+    saw it, even when a generator holding the block is closed from another context.
     """
 
     __slots__ = ()
-
-    def __enter__(self) -> allow_unsafe_extra_state:
-        unsafe_extra_state.set(unsafe_extra_state.get() + 1)
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        unsafe_extra_state.set(max(0, unsafe_extra_state.get() - 1))
 
 
 def encode_extra_state(metas: dict[int, ScalingMeta]) -> torch.Tensor:
@@ -177,7 +171,7 @@ def decode_extra_state(state: Any, owner: str = "module") -> dict[int, ScalingMe
         data = payload_bytes(state)
         if not data:
             return {}
-        if unsafe_extra_state.get() <= 0:
+        if not unsafe_extra_state_allowed():
             described = describe_pickle(data, TE_ALLOW_LIST)
             raise ValueError(
                 f"{owner}: refusing a pickled extra state ({described}); fastcast "

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from .kernels import choice as _kernel_choice
 from .tensor import BLOCKWISE, MXFP8, NVFP4, ROWWISE, TENSORWISE
 
 GEMM_MODES = ("auto", "hardware", "emulate")
@@ -143,9 +144,13 @@ def on_refresh(hook: Callable[[], None]) -> Callable[[], None]:
 
 
 def refresh() -> None:
-    """Forget every cached answer, so that a changed FASTCAST_GEMM takes effect."""
+    """Forget every cached answer about this machine and fastcast's environment settings,
+    so that a changed ``FASTCAST_GEMM`` or ``FASTCAST_KERNELS`` takes effect: the GEMM
+    backends here, the quantize implementations (``kernels.choice``) and the caches
+    derived from them (``on_refresh``). The one refresh there is."""
     for fn in (gemm_mode, cuda_capability, cuda_rowwise_output, _backend):
         fn.cache_clear()
+    _kernel_choice.refresh()
     for hook in _refresh_hooks:
         hook()
 

@@ -5,12 +5,13 @@ Linear forward and backward, the quantizers, the scaled GEMM and the delayed-sca
 amax update. ``annotate`` returns the function itself, so while tracing is off nothing
 runs per call: there is no flag to test.
 
-``enable()`` (or ``FASTCAST_NVTX=1`` in the environment at import) rebinds every marked
-function, wherever fastcast's own modules and classes hold it, to a wrapper that runs it
-inside an NVTX range of the domain ``fastcast`` *and* a ``torch.profiler``
-``record_function`` scope of the same name; ``disable()`` puts the originals back. Call
-it before the modules run: a reference taken earlier outside fastcast (``from
-fastcast.gemm import scaled_mm`` in user code) keeps the original.
+``enable()`` (or ``FASTCAST_NVTX=1`` in the environment at import) replaces each marked
+function where it is defined (its class's attribute, or its module's, found from its
+qualified name; nothing else is touched) by a wrapper that runs it inside an NVTX range
+of the domain ``fastcast`` *and* a ``torch.profiler`` ``record_function`` scope of the
+same name; ``disable()`` puts the originals back. The switch itself is the state
+manager's (``state.ranges_on``). Call it before the modules run: a reference taken
+earlier (``from fastcast.gemm import scaled_mm`` in user code) keeps the original.
 
 Linear ranges name their module: ``fastcast.Linear.forward[blocks.0.fc1]`` and the same
 for its backward, with the qualified name ``fc.convert`` recorded (``_fc_name``).
@@ -26,6 +27,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from . import state as _state
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 DOMAIN = "fastcast"
@@ -33,11 +36,8 @@ DOMAIN = "fastcast"
 ENV_ENABLED = os.environ.get("FASTCAST_NVTX", "0").strip() not in ("", "0", "false", "False")
 
 # The marked functions, by id: original -> (name, instance attribute naming the range).
-# Filled as the modules defining them are imported; an entry never changes.
+# A registry filled as the modules defining them are imported; an entry never changes.
 _MARKED: dict[int, tuple[Callable[..., Any], str, str | None]] = {}
-# The one switch: whether the marked functions are wrapped now (read by annotate, so
-# that a module imported after enable() is traced as well).
-_switch = {"on": False}
 
 
 def annotate(name: str, instance_name: str | None = None) -> Callable[[F], F]:
@@ -51,40 +51,28 @@ def annotate(name: str, instance_name: str | None = None) -> Callable[[F], F]:
 
     def mark(fn: F) -> F:
         _MARKED[id(fn)] = (fn, name, instance_name)
-        return _traced(fn, name, instance_name) if _switch["on"] else fn  # type: ignore[return-value]
+        return _traced(fn, name, instance_name) if _state.ranges_on else fn  # type: ignore[return-value]
 
     return mark
 
 
 def is_enabled() -> bool:
     """Whether the marked functions are wrapped in ranges now."""
-    return _switch["on"]
+    return _state.ranges_on
 
 
 def enable() -> None:
     """Wrap every marked function in an NVTX range and a ``record_function`` scope."""
-    if _switch["on"]:
-        return
-    _switch["on"] = True
-    wrappers: dict[int, Callable[..., Any]] = {}  # one wrapper per function, shared
-
-    def wrap_if_marked(fn: Any) -> Any:
-        entry = _MARKED.get(id(fn))
-        if entry is None or entry[0] is not fn:
-            return None
-        if id(fn) not in wrappers:
-            wrappers[id(fn)] = _traced(*entry)
-        return wrappers[id(fn)]
-
-    _rebind(wrap_if_marked)
+    if not _state.ranges_on:
+        _state.ranges_on = True
+        _rebind(lambda fn, name, instance_name: _traced(fn, name, instance_name))
 
 
 def disable() -> None:
     """Put the original functions back: no range costs anything any more."""
-    if not _switch["on"]:
-        return
-    _switch["on"] = False
-    _rebind(lambda fn: getattr(fn, "_fc_original", None))
+    if _state.ranges_on:
+        _state.ranges_on = False
+        _rebind(lambda fn, name, instance_name: fn)
 
 
 def marked_names() -> list[str]:
@@ -95,26 +83,32 @@ def marked_names() -> list[str]:
 # --------------------------------------------------------------------------- rebinding
 
 
-def _rebind(replacement: Callable[[Any], Any]) -> None:
-    """Replace, in fastcast's modules and their classes, each function for which
-    ``replacement`` returns something other than None."""
-    for mod_name, module in list(sys.modules.items()):
-        if module is None or not (mod_name == "fastcast" or mod_name.startswith("fastcast.")):
+def _rebind(make: Callable[..., Any]) -> None:
+    """Set each marked function's definition site to ``make(fn, name, instance_name)``."""
+    for fn, name, instance_name in _MARKED.values():
+        site = _definition_site(fn)
+        if site is None:
             continue
-        for attr, value in list(vars(module).items()):
-            new = replacement(value) if callable(value) else None
-            if new is not None:
-                setattr(module, attr, new)
-            elif isinstance(value, type) and value.__module__ == mod_name:
-                _rebind_class(value, replacement)
+        owner, attr = site
+        held = vars(owner).get(attr)
+        wrapper = type(held) if isinstance(held, (staticmethod, classmethod)) else None
+        func = held.__func__ if wrapper else held
+        if func is not fn and getattr(func, "_fc_original", None) is not fn:
+            continue  # the site holds something else now (a test's stand-in, say)
+        new = make(fn, name, instance_name)
+        setattr(owner, attr, wrapper(new) if wrapper else new)
 
 
-def _rebind_class(cls: type, replacement: Callable[[Any], Any]) -> None:
-    for attr, value in list(vars(cls).items()):
-        wrapper = type(value) if isinstance(value, (staticmethod, classmethod)) else None
-        new = replacement(value.__func__ if wrapper else value)
-        if new is not None:
-            setattr(cls, attr, wrapper(new) if wrapper else new)
+def _definition_site(fn: Any) -> tuple[Any, str] | None:
+    """``(class or module, attribute)`` where ``fn`` is defined, from its qualified name;
+    None for a function defined inside another (nothing holds it by name)."""
+    *path, attr = fn.__qualname__.split(".")
+    owner = sys.modules.get(fn.__module__)
+    for part in path:
+        owner = None if part == "<locals>" else getattr(owner, part, None)
+        if owner is None:
+            return None
+    return owner, attr
 
 
 # --------------------------------------------------------------------------- the wrapper

@@ -1,7 +1,7 @@
 """The state manager: autocast frames per context, stateful schemes' state per thread.
 
 Autocast state follows Python's ``contextvars``, as ``decimal`` contexts do: the stack of
-active frames is an immutable linked list ``(frame, below)`` held in a context variable.
+active frames is a linked list ``[frame, below, token]`` held in a context variable.
 So each thread, and each asyncio task, has its own stack; ``asyncio.to_thread`` and
 ``contextvars.copy_context().run`` see the stack of the code that called them, and what
 they enter never leaks back. Generators share their caller's context: one that holds an
@@ -30,7 +30,9 @@ class AutocastFrame:
     ``autocast`` subclasses this; ``OUTSIDE`` is the frame below every autocast.
     """
 
-    __slots__ = ("enabled", "recipe", "calibrating", "group", "_key")
+    # ``ran``: set by the fastcast layers that run quantized under this frame (one store
+    # per forward), read when an enabled autocast exits (fc.autocast warns if none did).
+    __slots__ = ("enabled", "recipe", "calibrating", "group", "ran", "_key")
 
     def __init__(
         self,
@@ -43,6 +45,7 @@ class AutocastFrame:
         self.recipe = recipe
         self.calibrating = calibrating
         self.group = group
+        self.ran = False
 
     @property
     def active(self) -> bool:
@@ -58,7 +61,7 @@ class AutocastFrame:
         if not self.active:
             return False
         if below is None:
-            node = _stack.get()
+            node = get_stack()
             while node is not None and node[0] is not self:
                 node = node[1]
             below = node[1] if node is not None else None
@@ -75,35 +78,153 @@ class AutocastFrame:
 
 OUTSIDE = AutocastFrame(enabled=False, recipe=None)
 
-# A stack of frames: ``(innermost frame, the stack below it)``; ``None`` below the bottom.
-Stack = tuple  # tuple[AutocastFrame, "Stack | None"]
-BOTTOM: Stack = (OUTSIDE, None)
+# A stack of frames: the list ``[innermost frame, the stack below it, the token of the
+# context-variable set that pushed it]``, never changed once entered (a list only because
+# the token exists after the set); ``None`` below the bottom. Exiting resets the token:
+# the previous stack comes back, and a token from another context is refused.
+Stack = list  # [AutocastFrame, "Stack | None", contextvars.Token | None]
+BOTTOM: Stack = [OUTSIDE, None, None]
 
 _stack: contextvars.ContextVar[Stack] = contextvars.ContextVar("fastcast_autocast", default=BOTTOM)
 get_stack = _stack.get
 set_stack = _stack.set
+reset_stack = _stack.reset
 
 
 def current_frame() -> AutocastFrame:
     """The innermost autocast frame of this context (``OUTSIDE`` when none)."""
-    return _stack.get()[0]
+    return get_stack()[0]
 
 
 def is_autocast_enabled() -> bool:
-    """Whether FP8 autocast is enabled in the current thread (task, context)."""
-    return _stack.get()[0].enabled
+    """Whether FP8 autocast is enabled in the current context (thread, asyncio task)."""
+    return get_stack()[0].enabled
 
 
 def get_autocast_recipe() -> Recipe | None:
     """The recipe of the innermost autocast; None outside any autocast."""
-    return _stack.get()[0].recipe
+    return get_stack()[0].recipe
 
 
-# Depth of ``fc.allow_unsafe_extra_state`` blocks around the current context: above 0, a
-# foreign pickled extra state may be unpickled (checkpoint.py). Per context, like autocast.
-unsafe_extra_state: contextvars.ContextVar[int] = contextvars.ContextVar(
-    "fastcast_unsafe_extra_state", default=0
+def mark_ran(frame: AutocastFrame) -> None:
+    """Called by a fastcast layer that runs quantized under ``frame`` (see ``ran``)."""
+    frame.ran = True
+
+
+# Whether fastcast's tracing ranges are on (fastcast.profiling: enable/disable set it).
+ranges_on = False
+
+# Whether fc.autocast still has to warn that an enabled autocast saw no fastcast layer
+# run (once per process; autocast.py).
+unused_autocast_warning_due = True
+
+
+class _CompiledView:
+    """The autocast stack as ``torch.compile``'d code reads it (``fastcast.dynamo``
+    substitutes ``traced_*`` for the accessors above while tracing).
+
+    ``context`` is a property whose getter is the context variable's own C ``get``:
+    Dynamo treats it as side-effect free, reads it for real while tracing, and guards on
+    the value it returns, evaluating ``view.context`` again before every call of the
+    compiled code. So compiled code sees the stack of the context that calls it (thread,
+    asyncio task, ``to_thread``, a fresh ``Context``), exactly as eager code does. The
+    getter is called with the view as its default: a context that never set the variable
+    gives the view itself, which stands for ``BOTTOM``.
+
+    ``traced``: the stack an autocast entered in the traced code pushed (None: none). Only
+    traced code writes it; Dynamo replays the last write after the graph, which is None
+    again once the traced autocasts have exited.
+    """
+
+    context = property(_stack.get)
+
+    def __init__(self) -> None:
+        self.traced: Stack | None = None
+
+
+compiled_view = _CompiledView()
+
+
+def traced_get_stack() -> Stack:
+    """``get_stack`` in traced code: the stack pushed in the trace, else the context's."""
+    stack = compiled_view.traced
+    if stack is None:
+        stack = compiled_view.context
+        if stack is compiled_view:
+            return BOTTOM
+    return stack
+
+
+def traced_set_stack(stack: Stack) -> Stack | None:
+    """``set_stack`` in traced code; the "token" is what ``traced_reset_stack`` restores."""
+    token = compiled_view.traced
+    compiled_view.traced = stack
+    return token
+
+
+def traced_reset_stack(token: Any) -> None:
+    """``reset_stack`` in traced code: back to the stack before the matching set."""
+    if token is not None and not isinstance(token, list):
+        raise RuntimeError(
+            "fastcast: an fc.autocast entered outside the compiled function cannot be "
+            "exited inside it; enter and exit it on the same side"
+        )
+    compiled_view.traced = token
+
+
+class UnsafeExtraState:
+    """``fc.allow_unsafe_extra_state``'s mechanism: a permission per entry, per context.
+
+    Each entry opens a permission (a one-element list, ``[open]``) and pushes it on this
+    context's chain ``(permission, below)``; readers walk the chain for an open one. The
+    exit closes *its* permission, wherever it runs: a generator that holds the block
+    across a ``yield`` and is closed from another context (or thread) still takes the
+    permission back from the context that entered it, whose chain keeps only a closed
+    entry. The instance keeps its open permissions
+    (it may be entered again while active, or in several contexts): an exit closes the
+    innermost one this context sees, else the instance's most recent.
+    """
+
+    __slots__ = ("_open",)
+
+    def __init__(self) -> None:
+        self._open: list[tuple[list[bool], contextvars.Token]] = []
+
+    def __enter__(self) -> Any:
+        permission = [True]
+        token = _unsafe.set((permission, _unsafe.get()))
+        self._open.append((permission, token))
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        opened = self._open
+        mine = {id(permission): i for i, (permission, _) in enumerate(opened)}
+        node = _unsafe.get()
+        while node is not None and id(node[0]) not in mine:
+            node = node[1]
+        permission, token = opened.pop(len(opened) - 1 if node is None else mine[id(node[0])])
+        permission[0] = False
+        if node is not None and node is _unsafe.get():  # the innermost here: pop it too
+            try:
+                _unsafe.reset(token)
+            except ValueError:  # entered in the context this one was copied from
+                _unsafe.set(node[1])
+
+
+# The chain of ``fc.allow_unsafe_extra_state`` permissions of this context.
+_unsafe: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
+    "fastcast_unsafe_extra_state", default=None
 )
+
+
+def unsafe_extra_state_allowed() -> bool:
+    """Whether a foreign pickled extra state may be unpickled here (checkpoint.py)."""
+    node = _unsafe.get()
+    while node is not None:
+        if node[0][0]:
+            return True
+        node = node[1]
+    return False
 
 
 def frames(stack: Stack | None) -> Any:

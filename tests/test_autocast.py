@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import threading
@@ -14,6 +15,8 @@ from hypothesis import strategies as st
 import fastcast as fc
 from fastcast import hardware, state
 from fastcast.state import OUTSIDE
+
+autocast_module = importlib.import_module("fastcast.autocast")  # the module, not the class
 
 ON_CPU_ONLY = pytest.mark.skipif(
     torch.cuda.is_available(), reason="asserts the CPU capability table"
@@ -592,3 +595,68 @@ def test_nested_autocast_matches_model_stack(program):
         pass
     assert not model and not active
     assert_outside()
+
+
+def test_positional_recipe_names_the_keyword():
+    with pytest.raises(TypeError, match=r"keyword-only: write fc.autocast\(True, recipe=\.\.\.\)"):
+        fc.autocast(True, fc.Float8CurrentScaling())
+    assert_outside()
+
+
+@pytest.fixture
+def unused_warning_due(monkeypatch):
+    monkeypatch.setattr(state, "unused_autocast_warning_due", True)
+
+
+def test_enabled_autocast_around_an_unconverted_model_warns_once(unused_warning_due):
+    plain = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    x = torch.randn(4, 16)
+    with pytest.warns(autocast_module.UnusedAutocastWarning, match=r"fc.convert") as seen:
+        for _ in range(3):
+            with fc.autocast(recipe=fc.Float8CurrentScaling()):
+                plain(x)
+    assert len(seen) == 1  # one cause, one warning
+    assert seen[0].filename == __file__  # it points at the user's `with`
+
+
+def test_no_warning_when_a_layer_ran_at_any_level(unused_warning_due):
+    import warnings  # noqa: PLC0415
+
+    model = fc.convert(torch.nn.Sequential(torch.nn.Linear(16, 16)))
+    x, r = torch.randn(4, 16), fc.Float8CurrentScaling()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autocast_module.UnusedAutocastWarning)
+        with fc.autocast(recipe=r):
+            model(x)
+        with fc.autocast(recipe=r):  # the layer ran in an inner level only
+            with fc.autocast(False, recipe=r):
+                with fc.autocast(recipe=r):
+                    model(x)
+        with fc.autocast(False, recipe=r):  # disabled: nothing was asked to run in FP8
+            pass
+        with fc.autocast(recipe=r):
+            torch.nn.Linear(16, 16)(x)  # unconverted, but the outer level decides ...
+            with fc.autocast(recipe=r):
+                model(x)
+    # ... and a layer that ran only under a disabled level is not quantized: warned.
+    with pytest.warns(autocast_module.UnusedAutocastWarning):
+        with fc.autocast(recipe=r):
+            with fc.autocast(False, recipe=r):
+                model(x)
+
+
+def test_one_refresh_applies_both_environment_settings(monkeypatch):
+    from fastcast.kernels import choice  # noqa: PLC0415
+
+    x = torch.empty(1)
+    monkeypatch.setenv("FASTCAST_KERNELS", "reference")
+    hardware.refresh()
+    try:
+        assert choice.fused_op("quantize_tensorwise", x) is None  # the reference runs
+        monkeypatch.setenv("FASTCAST_KERNELS", "bogus")
+        hardware.refresh()
+        with pytest.raises(ValueError, match="FASTCAST_KERNELS"):
+            choice.fused_op("quantize_tensorwise", x)
+    finally:
+        monkeypatch.undo()
+        hardware.refresh()

@@ -373,7 +373,7 @@ def _te_payload():
 
 
 def _allowed():
-    return fc_state.unsafe_extra_state.get() > 0
+    return fc_state.unsafe_extra_state_allowed()
 
 
 def test_opt_in_nests_and_reenters():

@@ -5,6 +5,7 @@ autocast state changes. Each compile costs seconds here, so the tests are few.""
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -237,3 +238,60 @@ def test_a_quantizer_holding_a_process_group_refuses_to_be_compiled():
     compiled = torch.compile(lambda x: quantizer.quantize(x).data, backend="eager", fullgraph=True)
     with pytest.raises(Exception, match="amax_reduction_group.*does not run under torch.compile"):
         compiled(torch.randn(16, 16))
+
+
+def test_compiled_model_reads_the_autocast_state_of_its_calling_context():
+    """Per context, as eager: a fresh Context or a plain thread runs in high precision
+    even inside another context's autocast, asyncio.to_thread and a copied context
+    inherit the caller's recipe, and two interleaved asyncio tasks each get their own."""
+    import asyncio  # noqa: PLC0415
+    import contextvars  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+    import warnings  # noqa: PLC0415
+
+    model, x = _mlp(), torch.randn(32, 64)
+    r1, r2 = fc.Float8CurrentScaling(), fc.Float8RowwiseScaling()
+
+    def eager(recipe):
+        with fc.autocast(enabled=recipe is not None, recipe=recipe or r1):
+            return model(x)
+
+    want = {None: eager(None), r1: eager(r1), r2: eager(r2)}
+    assert not torch.equal(want[None], want[r1]) and not torch.equal(want[r1], want[r2])
+    compiled = torch.compile(model, fullgraph=True)
+
+    def close(got, recipe):
+        return torch.allclose(got, want[recipe], rtol=1e-5, atol=1e-6)
+
+    with warnings.catch_warnings():  # the layers' runs reach the eager autocast's check
+        warnings.simplefilter(
+            "error", importlib.import_module("fastcast.autocast").UnusedAutocastWarning
+        )
+        with fc.autocast(recipe=r1):
+            assert close(compiled(x), r1)
+            assert close(contextvars.Context().run(compiled, x), None)
+            assert close(contextvars.copy_context().run(compiled, x), r1)
+            assert close(asyncio.run(asyncio.to_thread(compiled, x)), r1)
+            seen = {}
+            t = threading.Thread(target=lambda: seen.setdefault("out", compiled(x)))
+            t.start()
+            t.join(60)
+            assert close(seen["out"], None)
+    assert close(compiled(x), None)
+
+    async def task(recipe, entered, ran):
+        if recipe is None:  # runs while the other task is suspended inside its autocast
+            await entered.wait()
+            out = compiled(x)
+            ran.set()
+            return close(out, None)
+        with fc.autocast(recipe=recipe):
+            entered.set()
+            await ran.wait()
+            return close(compiled(x), recipe)
+
+    async def main():
+        entered, ran = asyncio.Event(), asyncio.Event()
+        return await asyncio.gather(task(r2, entered, ran), task(None, entered, ran))
+
+    assert asyncio.run(main()) == [True, True]

@@ -323,7 +323,7 @@ def test_generator_holding_an_autocast_is_detected_at_exit():
 
 
 def test_unsafe_extra_state_permission_follows_the_context():
-    allowed = lambda: state.unsafe_extra_state.get() > 0  # noqa: E731
+    allowed = state.unsafe_extra_state_allowed
 
     async def main():
         entered, done = asyncio.Event(), asyncio.Event()

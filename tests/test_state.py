@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextvars
 import gc
 import itertools
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fastcast as fc
 from fastcast import state
@@ -309,3 +312,63 @@ def test_stateful_thread_count_follows_live_threads():
     del threads, t
     gc.collect()
     assert state.stateful_threads == before
+
+
+# -- per-context permissions and tokens --------------------------------------------------------
+
+
+def test_unsafe_permission_held_by_a_generator_is_taken_back_wherever_it_closes():
+    def holder():
+        with fc.allow_unsafe_extra_state():
+            yield
+
+    for close_in in ("context", "thread"):
+        first = contextvars.Context()
+        gen = holder()
+        first.run(next, gen)
+        assert first.run(state.unsafe_extra_state_allowed)
+        if close_in == "context":
+            contextvars.Context().run(gen.close)
+        else:
+            t = threading.Thread(target=gen.close)
+            t.start()
+            t.join(10)
+        assert not first.run(state.unsafe_extra_state_allowed), close_in
+        assert not state.unsafe_extra_state_allowed()
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 2), st.booleans()), max_size=25))
+def test_unsafe_permission_matches_a_model_across_two_contexts(ops):
+    """Enters and exits of three instances spread over two contexts: each context allows
+    exactly while a permission entered in it is open, and an exit closes the innermost
+    open entry of its instance this context sees, else that instance's latest anywhere."""
+    contexts = [contextvars.Context(), contextvars.Context()]
+    instances = [fc.allow_unsafe_extra_state() for _ in range(3)]
+    opened: list[list] = []  # [instance index, context index, open], in entry order
+    for c, i, enter in ops:
+        if enter:
+            contexts[c].run(instances[i].__enter__)
+            opened.append([i, c, True])
+            continue
+        mine = [p for p in opened if p[0] == i and p[2]]
+        if not mine:
+            continue
+        here = [p for p in mine if p[1] == c]
+        (here or mine)[-1][2] = False
+        contexts[c].run(instances[i].__exit__, None, None, None)
+        for k in (0, 1):
+            want = any(p[1] == k and p[2] for p in opened)
+            assert contexts[k].run(state.unsafe_extra_state_allowed) is want
+    assert not state.unsafe_extra_state_allowed()
+
+
+def test_autocast_exit_from_a_copied_context_is_refused_and_changes_nothing():
+    ac = fc.autocast(recipe=fc.Float8CurrentScaling())
+    with ac:
+        copied = contextvars.copy_context()  # sees ac, but did not enter it
+        with pytest.raises(RuntimeError, match="not active here"):
+            copied.run(ac.__exit__, None, None, None)
+        assert copied.run(state.current_frame) is ac
+        assert state.current_frame() is ac
+    assert state.current_frame() is OUTSIDE

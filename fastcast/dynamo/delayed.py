@@ -39,7 +39,6 @@ from ..recipe import DelayedScaling
 from ..schemes import Plan, scheme_for
 from ..schemes.delayed import DelayedScalingScheme
 from ..state import AutocastFrame, Stack
-from .stack import compiled
 
 
 def traced_delayed_plan(module: Any, frame: AutocastFrame) -> Plan:
@@ -105,9 +104,9 @@ def _entered_in_graph() -> bool:
 
 @assume_constant_result
 def _eager_depth() -> int:
-    # Runs for real while tracing: the eager stack's depth then (which the guards on the
-    # traced stack keep valid for the graph).
-    return _depth(compiled.stack)
+    # Runs for real while tracing: the depth of the calling context's stack (which the
+    # guards on the traced stack keep valid for the graph).
+    return _depth(_state.get_stack())
 
 
 def _depth(node: Stack | None) -> int:

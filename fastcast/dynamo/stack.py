@@ -1,71 +1,56 @@
-"""The autocast stack as Dynamo sees it.
+"""The autocast stack as Dynamo sees it: ``fastcast.state``'s traced accessors.
 
-Eager autocast keeps its stack in a ``ContextVar``, which Dynamo cannot trace. Instead of
-testing ``torch.compiler.is_compiling()`` on the hot path, the two stack accessors
-(``state.get_stack``, ``state.set_stack``) get polyfills: traced code reads and writes
-``compiled.stack``, a per-thread attribute that Dynamo guards on. An autocast entered
-inside a compiled function is therefore traced (its frame, and so its recipe, become
-guarded constants of the graph).
-
-An autocast entered in eager around a compiled model must be visible to the guards too:
-from the first trace that reads the stack on, eager autocast mirrors its stack into
-``compiled.stack`` (one more attribute store per enter and exit, in processes that
-compile fastcast code only; eager-only processes never pay it). Compiled code sees the
-stack of its thread: under compile the state is per thread, not per asyncio task, and a
-thread that was inside an eager autocast when mirroring started is seen by compiled code
-only from its next enter or exit.
+Eager autocast keeps its stack in a ``ContextVar``, whose methods Dynamo cannot trace.
+The three accessors (``state.get_stack``, ``set_stack``, ``reset_stack``) get the
+polyfills ``state.traced_*``, which read the context variable through a property Dynamo
+guards on (see ``state._CompiledView``): compiled code sees the autocast state of the
+context that calls it, per thread and per asyncio task, as eager code does, and a call
+from a context whose state differs from the one a graph was traced under fails its
+guards (another graph is traced, or a cached one that matches runs). An autocast entered
+inside a compiled function is traced: its frame, and so its recipe, become guarded
+constants of the graph (it does not warn when no layer ran in it). Nothing is rebound,
+and eager code pays nothing.
 """
 
 from __future__ import annotations
 
 import importlib
-import threading
+from typing import Any
 
 import torch
 from torch._dynamo import assume_constant_result
+from torch._dynamo.symbolic_convert import InstructionTranslator
 
 from .. import state as _state
-from ..state import BOTTOM, Stack
 
 _autocast_module = importlib.import_module("fastcast.autocast")  # the module, not the class
 
-
-class _CompiledStack(threading.local):
-    """Per thread: the autocast stack compiled code sees (guarded by Dynamo)."""
-
-    def __init__(self) -> None:
-        # Set per thread (not a class default): Dynamo guards on the instance dict.
-        self.stack: Stack = BOTTOM
+_substitute = torch.compiler.substitute_in_graph
+_substitute(_state.get_stack, skip_signature_check=True)(_state.traced_get_stack)
+_substitute(_state.set_stack, skip_signature_check=True)(_state.traced_set_stack)
+_substitute(_state.reset_stack, skip_signature_check=True)(_state.traced_reset_stack)
 
 
-compiled = _CompiledStack()
+@_substitute(_autocast_module._ran_nothing, skip_signature_check=True)
+def _traced_ran_nothing(below: Any) -> None:
+    # A graph does not warn (a warning is not an operation Dynamo can put in a graph); the
+    # eager autocast around a compiled model still does.
+    return None
 
 
-def _set_both(stack: Stack) -> None:
-    """``set_stack`` once mirroring is on: the context variable, then the mirror."""
-    _state.set_stack(stack)
-    compiled.stack = stack
+@_substitute(_state.mark_ran, skip_signature_check=True)
+def _traced_mark_ran(frame: Any) -> None:
+    # The store is a side effect Dynamo replays after the graph, on the frame of the
+    # calling context. Inside a higher-order op's body (activation checkpointing) Dynamo
+    # refuses outside mutations, so there it is skipped: an eager autocast whose only
+    # layers ran in a compiled checkpointed region may warn that none ran.
+    if not _in_subgraph():
+        frame.ran = True
 
 
 @assume_constant_result
-def _sync_from_eager() -> bool:
-    """Runs for real while tracing: from the first trace on, eager autocast mirrors its
-    stack (compiled code traced without an autocast must see one entered later)."""
-    if _autocast_module.set_stack is not _set_both:
-        _autocast_module.set_stack = _set_both
-        compiled.stack = _state.get_stack()
-    return True
-
-
-@torch.compiler.substitute_in_graph(_state.get_stack, skip_signature_check=True)
-def _traced_get_stack() -> Stack:
-    _sync_from_eager()
-    return compiled.stack
-
-
-def _traced_set_stack(stack: Stack) -> None:
-    compiled.stack = stack
-
-
-torch.compiler.substitute_in_graph(_state.set_stack, skip_signature_check=True)(_traced_set_stack)
-torch.compiler.substitute_in_graph(_set_both, skip_signature_check=True)(_traced_set_stack)
+def _in_subgraph() -> bool:
+    """Runs for real while tracing: whether the layer is traced inside a higher-order
+    op's body (a fact of where the code is traced, the same on every call)."""
+    tx = InstructionTranslator.current_tx()
+    return tx.output.current_tracer.parent is not None

@@ -78,7 +78,9 @@ def registered_op(name: str) -> Any:
 
 
 def refresh() -> None:
-    """Choose again on the next quantize (after changing ``FASTCAST_KERNELS``)."""
+    """Choose again on the next quantize (after changing ``FASTCAST_KERNELS``). Part of
+    ``fastcast.hardware.refresh()``, which forgets every environment-derived answer
+    (this module sits below ``hardware`` and cannot call it)."""
     global _cpu_ops, _cuda_ops
     _cpu_ops = _cuda_ops = None
 

@@ -21,7 +21,7 @@ from ..quantize.base import check_input
 from ..recipe import Recipe
 from ..recompute import RecomputeLog, checkpoint_region
 from ..schemes import Plan, scheme_for
-from ..state import OUTSIDE, AutocastFrame, get_stack
+from ..state import OUTSIDE, AutocastFrame, get_stack, mark_ran
 from .function import LinearFunction, forward_gemm
 from .weight_cache import WeightCache
 
@@ -95,6 +95,7 @@ class Linear(nn.Linear):
             if frame.calibrating and replay is None:
                 self._calibrate(x, weight, frame)
             return F.linear(x, weight, bias)
+        mark_ran(frame)  # fc.autocast warns at exit when no layer ran in it
 
         # Errors below name the layer (see _where); the try costs nothing when none is raised.
         try:
