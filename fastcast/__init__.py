@@ -12,7 +12,7 @@ from .hardware import (
     mxfp8_available,
     nvfp4_available,
 )
-from .nn import Linear, convert, keep_high_precision
+from .nn import Conv1D, Linear, convert, keep_high_precision
 from .recipe import (
     CustomRecipe,
     DelayedScaling,
@@ -42,6 +42,7 @@ __all__ = [
     "Float8CurrentScaling",
     "Float8RowwiseScaling",
     "Format",
+    "Conv1D",
     "Linear",
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",

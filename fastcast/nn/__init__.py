@@ -1,6 +1,7 @@
-"""Modules: ``fc.Linear`` and ``fc.convert``."""
+"""Modules: ``fc.Linear``, ``fc.Conv1D`` and ``fc.convert``."""
 
+from .conv1d import Conv1D
 from .convert import convert, keep_high_precision
 from .linear import Linear
 
-__all__ = ["Linear", "convert", "keep_high_precision"]
+__all__ = ["Conv1D", "Linear", "convert", "keep_high_precision"]
