@@ -170,3 +170,30 @@ def test_nvfp4_shape_error_quotes_the_layer_not_the_padded_tokens():
     message = str(info.value)
     assert message.startswith("fc.Linear(in_features=100, out_features=32): ")
     assert "K=100" in message and "48" not in message
+
+
+@pytest.mark.compile
+def test_nvfp4_compiled_gradients_equal_eager_with_inductor_fallback_random(fresh_dynamo):
+    """Inductor draws stochastic rounding's numbers with its own generator unless
+    ``fallback_random`` is set (docs/first-hour.md); with it, a compiled NVFP4 step's
+    output and gradients equal eager's bit for bit, the default stochastic rounding on."""
+    import torch._inductor.config as inductor_config  # noqa: PLC0415
+
+    recipe = fc.NVFP4BlockScaling()
+
+    def step(compiled: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = fc.convert(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32)))
+        x = torch.randn(40, 64, requires_grad=True)  # padded to 48 tokens
+        run = torch.compile(model, fullgraph=True) if compiled else model
+        torch.manual_seed(1)
+        with fc.autocast(recipe=recipe):
+            out = run(x)
+        out.square().sum().backward()
+        return [out, x.grad, *(p.grad for p in model.parameters())]
+
+    eager = step(False)
+    with inductor_config.patch(fallback_random=True):
+        compiled = step(True)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
