@@ -176,7 +176,8 @@ def test_nvfp4_shape_error_quotes_the_layer_not_the_padded_tokens():
 def test_nvfp4_compiled_gradients_equal_eager_with_inductor_fallback_random(fresh_dynamo):
     """Inductor draws stochastic rounding's numbers with its own generator unless
     ``fallback_random`` is set (docs/first-hour.md); with it, a compiled NVFP4 step's
-    output and gradients equal eager's bit for bit, the default stochastic rounding on."""
+    output and gradients equal eager's to FP32 rounding, the default stochastic rounding
+    on."""
     import torch._inductor.config as inductor_config  # noqa: PLC0415
 
     recipe = fc.NVFP4BlockScaling()
@@ -195,5 +196,7 @@ def test_nvfp4_compiled_gradients_equal_eager_with_inductor_fallback_random(fres
     eager = step(False)
     with inductor_config.patch(fallback_random=True):
         compiled = step(True)
+    # FP32 rounding apart (Inductor sums the bias gradient in its own order), equal:
+    # stochastic rounding's noise without the flag is ~25% of the largest gradient.
     for a, b in zip(eager, compiled):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
