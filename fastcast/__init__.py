@@ -13,7 +13,7 @@ from .hardware import (
     mxfp8_available,
     nvfp4_available,
 )
-from .nn import GroupedLinear, Linear, convert, keep_high_precision
+from .nn import Conv1D, GroupedLinear, Linear, convert, keep_high_precision
 from .numerics import inspect
 from .recipe import (
     CustomRecipe,
@@ -44,6 +44,7 @@ __all__ = [
     "Float8CurrentScaling",
     "Float8RowwiseScaling",
     "Format",
+    "Conv1D",
     "GroupedLinear",
     "Linear",
     "MXFP8BlockScaling",

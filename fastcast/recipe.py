@@ -309,7 +309,10 @@ class NVFP4BlockScaling(Recipe):
     inputs or weights) stochastically; ``random_hadamard_transform`` applies a 16x16
     random Hadamard transform along the tokens to both operands of the weight-gradient
     GEMM (the column-wise layouts of input and gradient), with TE's fixed sign vector, or
-    one drawn from ``rht_seed``. Each can be turned off; ``stochastic_rounding=False,
+    one drawn from ``rht_seed``; ``rht_round_to_input_dtype=True`` rounds the transformed
+    values of bf16/fp16 inputs to that dtype before quantizing, as TransformerEngine does
+    (bit for bit TE's codes and scales; the default keeps them FP32, which is closer to
+    exact arithmetic). Each can be turned off; ``stochastic_rounding=False,
     random_hadamard_transform=False`` is fastcast's earlier NVFP4 recipe.
 
     Keep the last layer (an LM head) in high precision too: ``fc.convert(model,
@@ -321,6 +324,7 @@ class NVFP4BlockScaling(Recipe):
     stochastic_rounding: bool = True
     random_hadamard_transform: bool = True
     rht_seed: int | None = None
+    rht_round_to_input_dtype: bool = False
 
     def _check(self) -> None:
         name = "NVFP4BlockScaling"
@@ -331,6 +335,7 @@ class NVFP4BlockScaling(Recipe):
         _require_bool(name, "weight_2d_blocks", self.weight_2d_blocks)
         _require_bool(name, "stochastic_rounding", self.stochastic_rounding)
         _require_bool(name, "random_hadamard_transform", self.random_hadamard_transform)
+        _require_bool(name, "rht_round_to_input_dtype", self.rht_round_to_input_dtype)
         seed = self.rht_seed
         _require(
             seed is None or (type(seed) is int and seed >= 0),

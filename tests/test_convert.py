@@ -399,3 +399,37 @@ def test_training_converges_like_fp32(name, opt_name):
     assert fp32 < 0.5 * F.mse_loss(torch.zeros_like(target), target).item()  # it learned
     final = isolated(_train, recipe, opt_name)
     assert abs(final - fp32) <= tolerance * fp32, (final, fp32)
+
+
+def test_strict_load_fills_keys_a_saver_wrote_once_for_tied_tensors():
+    """A layer registered twice and a tied parameter appear under two keys; a file that
+    has them under one key only (as savers aware of ties write it) loads strictly, and
+    each value lands once, in the shared object."""
+    recipe = fc.DelayedScaling(amax_history_len=4)
+
+    def build():
+        torch.manual_seed(5)
+        shared = nn.Linear(32, 32)
+        head = nn.Linear(32, 16, bias=False)
+        emb = nn.Embedding(16, 32)
+        head.weight = emb.weight  # tied
+        body = nn.Sequential(shared, nn.ReLU(), shared, head)
+        return fc.convert(nn.ModuleDict({"body": body, "emb": emb}), recipe=recipe)
+
+    model = build()
+    with fc.autocast(recipe=recipe):
+        model["body"](torch.randn(16, 32)).sum().backward()
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    assert {"body.0._extra_state", "body.2._extra_state", "body.3.weight"} <= full.keys()
+    assert full["body.0._extra_state"].numel() > 16  # delayed scaling's scales
+    dropped = ("body.2.", "body.3.weight")
+    once = {k: v for k, v in full.items() if not k.startswith(dropped)}
+    fresh = build()
+    assert fresh.load_state_dict(once).missing_keys == []  # strict
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, full[key]), key
+    body = fresh["body"]
+    assert body[3].weight is fresh["emb"].weight and body[0] is body[2]
+    # A key missing from every one of its names is still reported.
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\).*"emb.weight"'):
+        fresh.load_state_dict({k: v for k, v in once.items() if k != "emb.weight"})

@@ -4,6 +4,7 @@ products, TE's sign vector written out), and ``fc.keep_high_precision``."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import torch
 import fastcast as fc
 from fastcast.quantize import hadamard
 from fastcast.quantize.nvfp4 import NVFP4Quantizer
+from fastcast.schemes import scheme_for
 
 F64 = torch.float64
 # TransformerEngine's get_wgrad_sign_vector().
@@ -213,3 +215,34 @@ def test_keep_high_precision_first_last_and_names():
     }
     with pytest.raises(ValueError, match="last must be an int >= 0"):
         fc.keep_high_precision(model, last=-1)
+
+
+def test_te_rounding_option_quantizes_the_transform_rounded_to_bf16():
+    """``rht_round_to_input_dtype``: the column-wise layout of a bf16 input is that of
+    its exact (float64) transform rounded once to bf16, as TransformerEngine computes it;
+    the default (FP32 transform) differs from it in codes and in the tensor scale."""
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(256, 64, generator=gen) * torch.rand(256, 1, generator=gen) * 3).bfloat16()
+    te_like = transform64(x, TE_SIGNS).to(torch.bfloat16)  # one rounding, from float64
+    ref = NVFP4Quantizer().quantize(te_like, rowwise=False, columnwise=True)
+    recipe = fc.NVFP4BlockScaling(rht_round_to_input_dtype=True)
+    q = scheme_for(recipe).quantizer(recipe, "grad_output")
+    q = dataclasses.replace(q, stochastic_rounding=False)
+    assert q.rht_round_to_input_dtype
+    got = q.quantize(x, rowwise=True, columnwise=True)
+    assert torch.equal(got.data_t, ref.data_t) and torch.equal(got.scale_inv_t, ref.scale_inv_t)
+    assert torch.equal(got.global_scale_inv_t, ref.global_scale_inv)
+    default = NVFP4Quantizer(rht=hadamard.TE_SIGNS).quantize(x, rowwise=False, columnwise=True)
+    assert not torch.equal(default.data_t, got.data_t)
+    assert default.global_scale_inv_t.item() != got.global_scale_inv_t.item()
+    # The row-wise layout and FP32 inputs are unaffected.
+    plain = NVFP4Quantizer().quantize(x)
+    assert torch.equal(got.data, plain.data)
+    x32 = x.float()
+    a = NVFP4Quantizer(rht=hadamard.TE_SIGNS).quantize(x32, rowwise=False, columnwise=True)
+    b = dataclasses.replace(q, rht_round_to_input_dtype=True).quantize(
+        x32, rowwise=False, columnwise=True
+    )
+    assert torch.equal(a.data_t, b.data_t)
+    with pytest.raises(ValueError, match="rht_round_to_input_dtype must be a bool"):
+        fc.NVFP4BlockScaling(rht_round_to_input_dtype=1)

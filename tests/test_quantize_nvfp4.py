@@ -509,7 +509,12 @@ def test_value_object():
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.block_2d = False
     assert isinstance(a, Quantizer) and a.fmt == "e2m1"
-    assert [f.name for f in dataclasses.fields(a)] == ["block_2d", "stochastic_rounding", "rht"]
+    assert [f.name for f in dataclasses.fields(a)] == [
+        "block_2d",
+        "stochastic_rounding",
+        "rht",
+        "rht_round_to_input_dtype",
+    ]
     with pytest.raises(ValueError, match="block_2d"):
         NVFP4Quantizer(block_2d=1)
     with pytest.raises(ValueError, match="signs must be 16 values"):

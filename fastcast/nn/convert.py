@@ -1,14 +1,20 @@
-"""``fc.convert``: swap ``nn.Linear`` layers for ``fc.Linear`` in place."""
+"""``fc.convert``: turn ``nn.Linear`` (and transformers ``Conv1D``) layers into
+``fc.Linear`` (``fc.Conv1D``) in place."""
 
 from __future__ import annotations
 
 import logging
+import sys
+import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
 
+from ..checkpoint import EXTRA_STATE_KEY
 from ..recipe import Recipe
 from ..schemes import DEFAULT_ALIGNMENT, scheme_for
+from .conv1d import HF_MODULE, Conv1D, adopt_hf_conv1d, is_hf_conv1d
 from .grouped import convert_experts
 from .linear import Linear, guard_loads
 
@@ -24,81 +30,85 @@ def convert(
     *,
     recipe: Recipe | None = None,
 ) -> nn.Module:
-    """Replace every ``nn.Linear`` below ``module`` by an ``fc.Linear`` sharing its
-    parameters (not copies), and return ``module``. Mixture-of-experts experts modules of
-    transformers 5 (``nn.grouped.convert_experts``) run fastcast's grouped GEMMs from then
-    on, with their parameters and state-dict keys unchanged.
+    """Turn every ``nn.Linear`` below ``module`` into an ``fc.Linear``, and every
+    transformers ``Conv1D`` (GPT-2's layers) into an ``fc.Conv1D``, in place (the same
+    module objects, parameters, buffers and hooks), and return ``module``.
+    Mixture-of-experts experts modules of transformers 5 (``nn.grouped.convert_experts``)
+    run fastcast's grouped GEMMs from then on, with their parameters and state-dict keys
+    unchanged.
 
-    ``module_filter_fn(linear, fully_qualified_name)`` returning False keeps a layer.
+    ``module_filter_fn(layer, fully_qualified_name)`` returning False keeps a layer.
     Layers whose features are not multiples of the recipe's block (32 for MXFP8, 16
     otherwise) are kept as they are, since their GEMMs could not run quantized; so are
-    subclasses of ``nn.Linear`` (their ``forward`` may differ), ``fc.Linear`` included.
-    A bare ``nn.Linear`` passed as ``module`` is converted and returned.
+    subclasses of ``nn.Linear`` or ``Conv1D`` (their ``forward`` may differ), ``fc.Linear``
+    included. ``module`` itself may be such a layer: it is converted in place too.
 
     Each converted layer records its qualified name (``_fc_name``), which its errors
     quote. The ``fastcast`` logger gets one INFO line (how many layers were converted,
-    which were skipped and why) and a DEBUG line per layer.
+    which were skipped and why) and a DEBUG line per layer. A ``UserWarning`` says when
+    no layer was converted, or when more were kept for their shapes or classes than were
+    converted (those run in full precision); layers ``module_filter_fn`` kept are not
+    counted against it.
 
     Checkpoints: ``module`` gets a load pre-hook that validates every ``fc.Linear``'s
     extra state in a state dict before any parameter is written (a refused load changes
-    nothing). With ``recipe``, every ``fc.Linear`` below ``module`` (converted now or
-    before) gets the per-module state that recipe keeps (``Linear.prepare_state``), so a
-    freshly built model has the state-dict layout of a trained one: what DCP, which loads
-    in place, needs to resume.
+    nothing), and fills in the keys of tied parameters that a saver wrote once (Hugging
+    Face's ``save_pretrained`` leaves ``lm_head.weight`` out of a model whose head shares
+    the embedding's weight), so that a strict load of such a file works. With ``recipe``,
+    every ``fc.Linear`` below ``module`` (converted now or before) gets the per-module
+    state that recipe keeps (``Linear.prepare_state``), so a freshly built model has the
+    state-dict layout of a trained one: what DCP, which loads in place, needs to resume.
     """
     align = DEFAULT_ALIGNMENT if recipe is None else scheme_for(recipe).alignment(recipe)
-    guard_loads(module)
+    hf_conv1d = _hf_conv1d_class()
 
-    def kept_because(layer: nn.Linear, name: str) -> str | None:
+    def kept_because(layer: nn.Module, name: str) -> str | None:
         """Why ``layer`` stays as it is, or None to convert it."""
-        if type(layer) is not nn.Linear:  # subclasses may override forward: leave them
+        if not (type(layer) is nn.Linear or is_hf_conv1d(layer)):
+            # Subclasses may override forward: leave them.
             if isinstance(layer, Linear):
                 return "already fastcast.Linear"
-            return f"{type(layer).__name__} is a subclass of nn.Linear"
-        features = {"in_features": layer.in_features, "out_features": layer.out_features}
+            base = "nn.Linear" if isinstance(layer, nn.Linear) else "Conv1D"
+            return f"{type(layer).__name__} is a subclass of {base}"
+        features = {"in_features": _features(layer)[0], "out_features": _features(layer)[1]}
         off = [f"{what}={n}" for what, n in features.items() if n % align]
         if off:
             multiple = "a multiple" if len(off) == 1 else "multiples"
             return f"{' and '.join(off)} not {multiple} of {align}"
         if module_filter_fn is not None and not module_filter_fn(layer, name):
-            return "module_filter_fn returned False"
+            return _FILTERED
         return None
 
+    def is_layer(child: nn.Module) -> bool:
+        return isinstance(child, nn.Linear) or (
+            hf_conv1d is not None and isinstance(child, hf_conv1d)
+        )
+
     report = _Report()
-    # One replacement per layer object: a layer registered under two parents (weight
-    # tying, shared blocks) stays one module with one set of scales.
-    swapped: dict[int, Linear] = {}
+    # Each layer object once: a layer registered under two parents (shared blocks) is one
+    # module with one set of scales, named after its first place.
     seen: set[int] = set()
-    if isinstance(module, nn.Linear):
-        seen.add(id(module))
-        why = kept_because(module, "")
-        report.add("", module, why)
+
+    def visit(layer: nn.Module, name: str) -> None:
+        seen.add(id(layer))
+        why = kept_because(layer, name)
+        report.add(name, layer, why)
         if why is None:
-            report.log()
-            new = _swap(module, "")
-            if recipe is not None:
-                new.prepare_state(recipe)
-            return new
+            _convert_in_place(layer, name)
+
+    if is_layer(module):
+        visit(module, "")
     for name, parent in list(module.named_modules(remove_duplicate=False)):
         # _modules, not named_children(), which would hide the second entry of a layer.
         for child_name, child in list(parent._modules.items()):
-            if not isinstance(child, nn.Linear):
+            if child is None or not is_layer(child) or id(child) in seen:
                 continue
-            if id(child) in swapped:
-                setattr(parent, child_name, swapped[id(child)])
-                continue
-            if id(child) in seen:  # a kept layer met again under another name
-                continue
-            seen.add(id(child))
-            full = f"{name}.{child_name}" if name else child_name
-            why = kept_because(child, full)
-            report.add(full, child, why)
-            if why is None:
-                swapped[id(child)] = _swap(child, full)
-                setattr(parent, child_name, swapped[id(child)])
+            visit(child, f"{name}.{child_name}" if name else child_name)
     report.log()
     # Mixture-of-experts: transformers 5 experts modules (3-D expert parameters).
     convert_experts(module, module_filter_fn, recipe)
+    report.warn(module)
+    _validate_loads(module)
     if recipe is not None:
         for layer in module.modules():
             if isinstance(layer, Linear):
@@ -110,8 +120,9 @@ def keep_high_precision(
     module: nn.Module, *, first: int = 0, last: int = 1, names: Sequence[str] = ()
 ) -> Callable[[nn.Module, str], bool]:
     """A ``module_filter_fn`` for ``convert`` that keeps chosen layers of ``module`` in
-    high precision: the first ``first`` and the last ``last`` ``nn.Linear`` layers below
-    it (in registration order, a shared layer counted once), and every layer whose
+    high precision: the first ``first`` and the last ``last`` ``nn.Linear`` (or
+    transformers ``Conv1D``) layers below it (in registration order, a shared layer
+    counted once), and every layer whose
     qualified name is one of ``names`` or lies below one (``"model.layers.0"`` keeps
     the first block of a Hugging Face Llama).
 
@@ -126,9 +137,10 @@ def keep_high_precision(
             raise ValueError(f"fastcast.keep_high_precision: {what} must be an int >= 0, got {n!r}")
     if isinstance(names, str):
         names = (names,)
+    hf_conv1d = _hf_conv1d_class()
     order: list[int] = []
     for layer in module.modules():  # each module once, in registration order
-        if isinstance(layer, nn.Linear):
+        if isinstance(layer, nn.Linear) or (hf_conv1d and isinstance(layer, hf_conv1d)):
             order.append(id(layer))
     kept = set(order[:first]) | set(order[len(order) - last :] if last else ())
     prefixes = tuple(f"{n}." for n in names)
@@ -139,50 +151,130 @@ def keep_high_precision(
     return convert_it
 
 
-def _swap(linear: nn.Linear, name: str) -> Linear:
-    """An fc.Linear with everything the layer had: the same Parameter objects, buffers,
-    hooks, training flag and any attribute a user set on it; and its qualified name."""
-    new = Linear.__new__(Linear)
-    # The very containers, not copies: hook handles the user holds keep working (they
-    # remove from the dict they were registered in). The old layer is being replaced.
-    new.__dict__.update(linear.__dict__)
-    new._init_runtime()
+def _validate_loads(module: nn.Module) -> None:
+    """Install the load pre-hooks on ``module`` once: ``fill_tied_keys`` and
+    ``validate_extra_states`` (an ``fc.Linear`` validates its own state and ties
+    nothing)."""
+    if isinstance(module, Linear):
+        return
+    installed = {getattr(h, "hook", h) for h in module._load_state_dict_pre_hooks.values()}
+    if fill_tied_keys not in installed:  # first, so the validation sees the filled keys
+        module.register_load_state_dict_pre_hook(fill_tied_keys)
+    guard_loads(module)
+
+
+def fill_tied_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Load pre-hook (``fc.convert`` installs it on the model): a tensor reachable under
+    several keys (tied parameters, a layer registered twice) that ``state_dict`` has under
+    some of them only gets the others too, the same value.
+
+    Savers that know about ties write such a tensor once: Hugging Face's
+    ``save_pretrained`` leaves ``lm_head.weight`` out of GPT-2 and tied Llamas, so a
+    strict ``load_state_dict`` of the file would report it missing, though loading it
+    under the kept key already sets it. Keys present are never changed."""
+    root = prefix[:-1] if prefix.endswith(".") else prefix
+    groups: dict[int, list[str]] = {}
+    named = (
+        module.named_parameters(prefix=root, remove_duplicate=False),
+        module.named_buffers(prefix=root, remove_duplicate=False),
+    )
+    for items in named:
+        for name, tensor in items:
+            if tensor is not None:
+                groups.setdefault(id(tensor), []).append(name)
+    # A layer registered under two names has its extra state under both.
+    for name, sub in module.named_modules(prefix=root, remove_duplicate=False):
+        if isinstance(sub, Linear):
+            key = f"{name}.{EXTRA_STATE_KEY}" if name else EXTRA_STATE_KEY
+            groups.setdefault(id(sub), []).append(key)
+    for keys in groups.values():
+        if len(keys) < 2:
+            continue
+        present = [k for k in keys if k in state_dict]
+        if present and len(present) < len(keys):
+            for key in keys:
+                state_dict.setdefault(key, state_dict[present[0]])
+
+
+def _convert_in_place(layer: nn.Module, name: str) -> Linear:
+    """Make ``layer`` (an ``nn.Linear``, or transformers' ``Conv1D``) the fastcast module
+    of its kind, keeping the object: its parameters, buffers, hooks, training flag and
+    any attribute a user set on it stay, and references to it (the user's, a parent's, a
+    tie) see the converted layer. Records its qualified name."""
+    if type(layer) is nn.Linear:
+        layer.__class__ = Linear
+        layer._init_runtime()  # type: ignore[operator]
+    else:
+        adopt_hf_conv1d(layer)
     if name:
-        new._fc_name = name
-    return new
+        layer._fc_name = name
+    return layer  # type: ignore[return-value]
+
+
+def _hf_conv1d_class() -> type | None:
+    """transformers' ``Conv1D`` if a model has imported it (never imported here)."""
+    hf = sys.modules.get(HF_MODULE)
+    return None if hf is None else getattr(hf, "Conv1D", None)
+
+
+def _features(layer: nn.Module) -> tuple[int, int]:
+    """``(in_features, out_features)`` of an ``nn.Linear`` or a ``Conv1D``."""
+    if isinstance(layer, nn.Linear):
+        return layer.in_features, layer.out_features
+    return layer.nx, layer.nf  # type: ignore[return-value]
+
+
+def _kind(layer: nn.Module) -> str:
+    if isinstance(layer, Conv1D) or not isinstance(layer, nn.Linear):
+        return "Conv1D"
+    return "nn.Linear"
+
+
+# Why a layer was kept when the user's filter asked for it (not a reason to warn).
+_FILTERED = "module_filter_fn returned False"
 
 
 class _Report:
-    """What convert did, for the ``fastcast`` logger."""
+    """What convert did, for the ``fastcast`` logger and the warnings."""
 
     def __init__(self) -> None:
-        self.converted = 0
+        self.linear = 0
+        self.conv1d = 0
         self.already = 0
+        self.filtered = 0
         self.skipped: list[str] = []
 
-    def add(self, name: str, layer: nn.Linear, why: str | None) -> None:
+    @property
+    def converted(self) -> int:
+        return self.linear + self.conv1d
+
+    def add(self, name: str, layer: nn.Module, why: str | None) -> None:
         shown = name or "<root>"
         if why is None:
-            self.converted += 1
+            if type(layer) is nn.Linear:
+                self.linear += 1
+            else:
+                self.conv1d += 1
         elif isinstance(layer, Linear):
             self.already += 1
         else:
+            self.filtered += why == _FILTERED
             self.skipped.append(f"{shown} ({why})")
+        in_features, out_features = _features(layer)
         logger.debug(
-            "fastcast.convert: %s (in_features=%d, out_features=%d): %s",
+            "fastcast.convert: %s (%sin_features=%d, out_features=%d): %s",
             shown,
-            layer.in_features,
-            layer.out_features,
+            "Conv1D, " if _kind(layer) == "Conv1D" else "",
+            in_features,
+            out_features,
             "converted" if why is None else f"kept, {why}",
         )
 
-    def log(self) -> None:
-        if not logger.isEnabledFor(logging.INFO):
-            return
-        line = (
-            f"fastcast.convert: converted {self.converted} nn.Linear layer(s) to "
-            f"fastcast.Linear; skipped {len(self.skipped)}"
-        )
+    def summary(self) -> str:
+        line = f"converted {self.linear} nn.Linear layer(s) to fastcast.Linear"
+        if self.conv1d:
+            line += f" and {self.conv1d} Conv1D layer(s) to fastcast.Conv1D"
+        line += f"; skipped {len(self.skipped)}"
         if self.skipped:
             named = self.skipped[:_NAMED_IN_SUMMARY]
             line += ": " + ", ".join(named)
@@ -190,4 +282,29 @@ class _Report:
                 line += f", and {len(self.skipped) - len(named)} more (DEBUG lists them)"
         if self.already:
             line += f"; {self.already} already fastcast.Linear"
-        logger.info(line)
+        return line
+
+    def log(self) -> None:
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("fastcast.convert: %s", self.summary())
+
+    def warn(self, module: nn.Module) -> None:
+        """One warning when nothing was converted, or when more layers were kept for
+        their shapes or classes than were converted (the user's filter excepted)."""
+        involuntary = len(self.skipped) - self.filtered
+        if self.converted == 0 and self.already == 0 and self.filtered == 0:
+            if involuntary:
+                why = "every nn.Linear/Conv1D layer was kept"
+            else:
+                why = "it has no nn.Linear or transformers Conv1D layer"
+            cause = f"converted no layer of {type(module).__name__}: {why}"
+        elif involuntary > self.converted + self.already:
+            cause = f"kept more layers of {type(module).__name__} than it converted"
+        else:
+            return
+        warnings.warn(
+            f"fastcast.convert {cause}; those run in full precision under fc.autocast "
+            f"({self.summary()})",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -57,6 +57,9 @@ class Linear(nn.Linear):
 
     # Qualified name in the model fc.convert swapped this layer into (error messages).
     _fc_name: str | None = None
+    # Whether the weight parameter is stored [in, out] (fc.Conv1D): the GEMMs take its
+    # transposed view, so the numerics are those of a Linear with that weight.
+    _fc_transposed: bool = False
 
     def __init__(
         self,
@@ -87,6 +90,8 @@ class Linear(nn.Linear):
         frame = get_stack()[0]
         params = self._parameters  # direct: nn.Module.__getattr__ is a slow fallback
         weight, bias = params["weight"], params["bias"]
+        if self._fc_transposed:  # fc.Conv1D keeps its weight as [in, out]
+            weight = weight.t()
         replay = record = None
         region = checkpoint_region(frame.active)
         if region is not None:  # activation checkpointing: record, or replay the original

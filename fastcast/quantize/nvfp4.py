@@ -170,16 +170,21 @@ class NVFP4Quantizer:
     applied along R to the column-wise layout before it is quantized, under a tensor
     scale of its own (the weight-gradient operands, input and gradient, whose product
     the transform leaves unchanged); the row-wise layout stays as it is. 1x16 only.
+    ``rht_round_to_input_dtype``: round the transformed values to the input's dtype
+    (bf16, fp16) before quantizing them, as TransformerEngine does (its transform runs
+    in the input's dtype), so that codes and the transformed layout's tensor scale equal
+    TE's bit for bit; by default they stay FP32, closer to exact arithmetic.
     """
 
     block_2d: bool = False
     stochastic_rounding: bool = False
     rht: tuple[int, ...] | None = None
+    rht_round_to_input_dtype: bool = False
 
     fmt: ClassVar[str] = "e2m1"
 
     def __post_init__(self) -> None:
-        for name in ("block_2d", "stochastic_rounding"):
+        for name in ("block_2d", "stochastic_rounding", "rht_round_to_input_dtype"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"NVFP4Quantizer: {name} must be a bool, got {value!r}")
@@ -207,9 +212,9 @@ class NVFP4Quantizer:
         matrix = as_matrix(x)
         rows, cols = matrix.shape
         if cols % BLOCK:
+            # K alone: the rows may be fc.Linear's padding of the tokens, not the caller's.
             raise ValueError(
-                f"NVFP4 needs the last dimension (K={cols}) to be a multiple of {BLOCK}; "
-                f"got a tensor of shape {tuple(x.shape)}"
+                f"NVFP4 needs the last dimension (K={cols}) to be a multiple of {BLOCK}"
             )
         if (self.block_2d or columnwise) and rows % BLOCK:
             why = "16x16 tiles" if self.block_2d else "a column-wise layout"
@@ -235,6 +240,8 @@ class NVFP4Quantizer:
         assert self.rht is not None
         row = self._quantize(x, matrix, True, False, generator) if rowwise else None
         transformed = hadamard.transform_columns(matrix, self.rht)
+        if self.rht_round_to_input_dtype and x.dtype != transformed.dtype:
+            transformed = transformed.to(x.dtype)  # TE's rounding (FP32 sums, one rounding)
         col = self._quantize(transformed, transformed, False, True, generator)
         return NVFP4Tensor(
             fmt=self.fmt,

@@ -36,4 +36,5 @@ class NVFP4Scheme(Scheme):
             block_2d=weight and recipe.weight_2d_blocks,
             stochastic_rounding=role == "grad_output" and recipe.stochastic_rounding,
             rht=sign_vector(recipe.rht_seed) if transform else None,
+            rht_round_to_input_dtype=transform and recipe.rht_round_to_input_dtype,
         )
