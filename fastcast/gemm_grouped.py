@@ -42,8 +42,6 @@ import torch
 from . import hardware
 from .formats import ELEMENT_MAX
 from .quantize import hadamard
-from .quantize.nvfp4 import BLOCK as NVFP4_BLOCK
-from .quantize.nvfp4 import _encode as nvfp4_encode
 from .recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -55,6 +53,8 @@ from .recipe import (
 )
 from .reference.cast import scale_and_cast, scale_from_amax
 from .reference.mx import MX_BLOCK, power_of_2, shared_exponent
+from .reference.nvfp4 import BLOCK as NVFP4_BLOCK
+from .reference.nvfp4 import encode_blocks as nvfp4_encode
 from .reference.rows import row_amax
 from .tensor import BLOCKWISE, MXFP8, NVFP4, ROWWISE, TENSORWISE
 

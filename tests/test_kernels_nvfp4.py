@@ -35,8 +35,8 @@ def op():
 def spy(monkeypatch) -> list[int]:
     """Counts the reference's block encodings (none when the fused operator runs)."""
     calls: list[int] = []
-    real = nvfp4._encode
-    monkeypatch.setattr(nvfp4, "_encode", lambda *a: calls.append(1) or real(*a))
+    real = nvfp4.encode_blocks
+    monkeypatch.setattr(nvfp4, "encode_blocks", lambda *a: calls.append(1) or real(*a))
     return calls
 
 

@@ -1,4 +1,5 @@
-"""The package's shape: no import cycles among its modules, and it ships its type marker."""
+"""The package's shape: no import cycles among its modules (lazy imports included), and it
+ships its type marker."""
 
 from __future__ import annotations
 
@@ -24,20 +25,26 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _top_level_imports(path: Path, module: str) -> set[str]:
-    """fastcast modules that ``module`` imports when it is itself imported (imports inside
-    functions and under TYPE_CHECKING run later or never, so they cannot form a cycle)."""
+def _imports(path: Path, module: str) -> set[str]:
+    """fastcast modules that ``module`` imports, at its top level or inside its functions
+    (a lazy import is a dependency all the same: it only hides a cycle until the call),
+    including ``importlib.import_module("fastcast...")`` with a literal name. Imports under
+    ``if TYPE_CHECKING:`` never run and are left out."""
     is_package = path.name == "__init__.py"
     package = module if is_package else module.rpartition(".")[0]
     found: set[str] = set()
-    body = list(ast.parse(path.read_text()).body)
-    while body:
-        node = body.pop(0)
-        if isinstance(node, ast.If) and not _is_type_checking(node):
-            body.extend(node.body + node.orelse)
-        elif isinstance(node, ast.Try):
-            body.extend(node.body + node.orelse + node.finalbody)
-        elif isinstance(node, ast.Import):
+    tree = ast.parse(path.read_text())
+    skipped = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and _is_type_checking(node)
+        for child in node.body
+        for inner in ast.walk(child)
+    }
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("fastcast"))
         elif isinstance(node, ast.ImportFrom):
             if node.level:
@@ -51,6 +58,15 @@ def _top_level_imports(path: Path, module: str) -> set[str]:
             found.add(target)
             for alias in node.names:  # `from . import x` imports the submodule x
                 found.add(f"{target}.{alias.name}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).startswith("fastcast")
+        ):
+            found.add(node.args[0].value)
     return found
 
 
@@ -64,7 +80,7 @@ def _graph(root: Path = PACKAGE) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         edges = set()
-        for target in _top_level_imports(path, name):
+        for target in _imports(path, name):
             # A package the importer is inside is already being imported: no new edge.
             if target not in modules or _inside(name, target):
                 continue

@@ -45,9 +45,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..nn.function import LinearFunction, forward_gemm
-from ..quantize import hadamard, nvfp4
+from ..quantize import hadamard
 from ..quantize.base import check_input, transposed_codes
-from ..quantize.nvfp4 import BLOCK, NVFP4Quantizer
+from ..quantize.nvfp4 import NVFP4Quantizer
 from ..quantize.rowwise import PER_ROW, RowwiseQuantizer
 from ..recipe import (
     DelayedScaling,
@@ -57,7 +57,9 @@ from ..recipe import (
     MXFP8BlockScaling,
     NVFP4BlockScaling,
 )
+from ..reference import nvfp4
 from ..reference.cast import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
+from ..reference.nvfp4 import BLOCK
 from ..reference.rows import row_amax
 from ..schemes import Plan, scheme_for
 from ..state import AutocastFrame
@@ -415,25 +417,25 @@ class ShardedNVFP4Quantizer:
             rand, rand_t = nvfp4._draws(
                 x, rows, cols, base.block_2d, rowwise, columnwise, generator
             )
-        # The whole tensor's amax of finite magnitudes (nvfp4._global_encode_scale's).
+        # The whole tensor's amax of finite magnitudes (nvfp4.global_encode_scale's).
         amax = torch.nan_to_num(matrix.abs(), nan=0.0, posinf=0.0).amax()
         all_reduce_max(amax, self.group)
         s_enc = scale_from_amax(amax, nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)
         tile_rows = BLOCK if base.block_2d else 1
         data = scale_inv = data_t = scale_inv_t = None
         if rowwise or base.block_2d:
-            blocks, mag, block_amax = nvfp4._tiles(matrix, tile_rows)
-            codes, scales = nvfp4._encode(blocks, mag, block_amax, s_enc, rand)
+            blocks, mag, block_amax = nvfp4.tile_blocks(matrix, tile_rows)
+            codes, scales = nvfp4.encode_blocks(blocks, mag, block_amax, s_enc, rand)
             codes = codes.reshape(rows, cols)
             if rowwise:
-                data, scale_inv = nvfp4._pack(codes), scales
+                data, scale_inv = nvfp4.pack_e2m1(codes), scales
         if columnwise:
             if base.block_2d:
-                data_t, scale_inv_t = nvfp4._pack(codes.t()), scales.t().contiguous()
+                data_t, scale_inv_t = nvfp4.pack_e2m1(codes.t()), scales.t().contiguous()
             else:
-                blocks, mag, block_amax = nvfp4._tiles(matrix.t(), 1)
-                codes_t, scale_inv_t = nvfp4._encode(blocks, mag, block_amax, s_enc, rand_t)
-                data_t = nvfp4._pack(codes_t.reshape(cols, rows))
+                blocks, mag, block_amax = nvfp4.tile_blocks(matrix.t(), 1)
+                codes_t, scale_inv_t = nvfp4.encode_blocks(blocks, mag, block_amax, s_enc, rand_t)
+                data_t = nvfp4.pack_e2m1(codes_t.reshape(cols, rows))
         block = (tile_rows, BLOCK)
         return NVFP4Tensor(
             fmt=self.fmt,

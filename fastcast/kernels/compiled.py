@@ -26,8 +26,7 @@ from typing import Any
 import torch
 
 from ..formats import ELEMENT_MAX, FP8_DTYPES
-from ..quantize import nvfp4
-from ..reference import mx, rows, tiles
+from ..reference import mx, nvfp4, rows, tiles
 from ..reference.amax import record_amax_reference
 from ..reference.cast import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
 from ..reference.decode import apply_scales, decode_e8m0, unpack_e2m1
