@@ -41,7 +41,6 @@ import torch
 
 from . import hardware
 from .formats import ELEMENT_MAX
-from .quantize import hadamard
 from .recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -51,6 +50,7 @@ from .recipe import (
     NVFP4BlockScaling,
     Recipe,
 )
+from .reference import hadamard
 from .reference.cast import scale_and_cast, scale_from_amax
 from .reference.mx import MX_BLOCK, power_of_2, shared_exponent
 from .reference.nvfp4 import BLOCK as NVFP4_BLOCK

@@ -411,7 +411,7 @@ class NVFP4Tensor(QuantizedTensor):
             return out.t().reshape(self.shape).to(dtype)
         out = self._dequantize_layout(self.data, self.scale_inv, self.block)
         if self.rht is not None:
-            from .quantize.hadamard import transform_rows  # (quantize imports this module)
+            from .reference.hadamard import transform_rows  # (quantize imports this module)
 
             out = transform_rows(out, self.rht, inverse=True)
         return out.reshape(self.shape).to(dtype)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import fastcast as fc
-from fastcast.quantize import hadamard
 from fastcast.quantize.nvfp4 import NVFP4Quantizer
+from fastcast.reference import hadamard
 from fastcast.schemes import scheme_for
 
 F64 = torch.float64

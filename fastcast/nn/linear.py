@@ -15,7 +15,7 @@ from ..checkpoint import (
     legacy_pickled_state,
 )
 from ..delayed import ScalingMeta
-from ..distributed import is_dtensor, tensor_parallel_forward
+from ..distributed import is_dtensor
 from ..profiling import annotate
 from ..quantize.base import check_input
 from ..recipe import Recipe
@@ -111,7 +111,7 @@ class Linear(nn.Linear):
                 return F.linear(x, weight, bias)
             if weight.__class__ is not nn.Parameter and is_dtensor(weight):
                 # Tensor parallel (parallelize_module): GEMMs on the local shards.
-                return tensor_parallel_forward(
+                return _tensor_parallel_forward(
                     self, x, weight, bias, frame, is_first_microbatch, replay, record
                 )
             plan = plan_for(self, frame, weight)
@@ -378,3 +378,10 @@ def _padded(
     x2d = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % align))
     out = LinearFunction.apply(x2d, weight, bias, call, cache, first)[:rows]
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _tensor_parallel_forward(*args: Any) -> Any:
+    """``tensor_parallel.linear_forward`` (imported on first use: it needs DTensor)."""
+    from .tensor_parallel import linear_forward  # noqa: PLC0415 - torch.distributed.tensor
+
+    return linear_forward(*args)

@@ -49,13 +49,13 @@ import torch
 
 from ..kernels import fused_op
 from ..profiling import annotate
+from ..reference import hadamard
 from ..reference.cast import as_matrix
 from ..reference.nvfp4 import (
     BLOCK,
     quantize_reference,
 )
 from ..tensor import NVFP4Tensor
-from . import hadamard
 from .base import check_input
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..quantize.hadamard import sign_vector
 from ..quantize.nvfp4 import NVFP4Quantizer
 from ..recipe import NVFP4BlockScaling
+from ..reference.hadamard import sign_vector
 from ..reference.nvfp4 import BLOCK
 from ..tensor import NVFP4
 from .base import Scheme, register_scheme

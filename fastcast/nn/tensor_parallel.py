@@ -44,8 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..nn.function import LinearFunction, forward_gemm
-from ..quantize import hadamard
+from ..distributed.amax import all_reduce_max
 from ..quantize.base import check_input, transposed_codes
 from ..quantize.nvfp4 import NVFP4Quantizer
 from ..quantize.rowwise import PER_ROW, RowwiseQuantizer
@@ -57,14 +56,14 @@ from ..recipe import (
     MXFP8BlockScaling,
     NVFP4BlockScaling,
 )
-from ..reference import nvfp4
+from ..reference import hadamard, nvfp4
 from ..reference.cast import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
 from ..reference.nvfp4 import BLOCK
 from ..reference.rows import row_amax
 from ..schemes import Plan, scheme_for
 from ..state import AutocastFrame
 from ..tensor import Float8Tensor, NVFP4Tensor
-from .amax import all_reduce_max
+from .function import LinearFunction, forward_gemm
 
 COLWISE = "colwise"  # weight Shard(0): output features split
 ROWWISE = "rowwise"  # weight Shard(1): input features (the contraction) split

@@ -31,7 +31,7 @@ def sign_vector(seed: int | None = None) -> tuple[int, ...]:
     if seed is None:
         return TE_SIGNS
     if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"fastcast.quantize.hadamard: seed must be an int or None, got {seed!r}")
+        raise ValueError(f"fastcast.reference.hadamard: seed must be an int or None, got {seed!r}")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     bits = torch.randint(0, 2, (SIZE,), generator=gen)
     return tuple(int(b) * 2 - 1 for b in bits)
@@ -63,7 +63,7 @@ def rht_matrix(signs: tuple[int, ...], device: torch.device | str = "cpu") -> to
     """``diag(signs) @ H / 4`` as FP32 (16x16) on ``device``: read only."""
     if len(signs) != SIZE or any(s not in (1, -1) for s in signs):
         raise ValueError(
-            f"fastcast.quantize.hadamard: signs must be {SIZE} values of +-1, got {signs!r}"
+            f"fastcast.reference.hadamard: signs must be {SIZE} values of +-1, got {signs!r}"
         )
     if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
         # Traced: a constant of the graph. A fake tensor must not outlive its trace (or
@@ -81,7 +81,7 @@ def transform_columns(
     rows, cols = x.shape
     if rows % SIZE:
         raise ValueError(
-            f"fastcast.quantize.hadamard: the transformed dimension ({rows}) must be a "
+            f"fastcast.reference.hadamard: the transformed dimension ({rows}) must be a "
             f"multiple of {SIZE}"
         )
     m = rht_matrix(signs, x.device)
