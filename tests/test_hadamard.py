@@ -68,7 +68,7 @@ def test_seeded_signs_are_reproducible_across_processes():
     assert here[0] == hadamard.sign_vector(0) and len(set(here)) == 3
     assert all(len(v) == 16 and set(v) <= {1, -1} for v in here)
     code = (
-        "from fastcast.quantize import hadamard;"
+        "from fastcast.reference import hadamard;"
         "print([hadamard.sign_vector(s) for s in (0, 1, 12345)])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from test_kernels import DTYPES, kernels_mode  # noqa: F401 - kernels_mode: a fixture
 
 from fastcast.kernels import choice, fused_op
-from fastcast.quantize import nvfp4
 from fastcast.quantize.nvfp4 import NVFP4Quantizer
+from fastcast.reference import nvfp4 as nvfp4_reference
 from fastcast.tensor import NVFP4Tensor
 
 LAYOUTS = ((True, False), (False, True), (True, True))  # (rowwise, columnwise)
@@ -35,8 +35,8 @@ def op():
 def spy(monkeypatch) -> list[int]:
     """Counts the reference's block encodings (none when the fused operator runs)."""
     calls: list[int] = []
-    real = nvfp4.encode_blocks
-    monkeypatch.setattr(nvfp4, "encode_blocks", lambda *a: calls.append(1) or real(*a))
+    real = nvfp4_reference.encode_blocks
+    monkeypatch.setattr(nvfp4_reference, "encode_blocks", lambda *a: calls.append(1) or real(*a))
     return calls
 
 
@@ -139,7 +139,7 @@ def _near_ties() -> torch.Tensor:
     the last block of row 15: s_enc is 1, so every block (row-wise, column-wise or tile)
     but that last one has amax 6, s_dec 1 and a multiplier of exactly 1.
     """
-    midpoints = torch.tensor([m for m, _ in nvfp4._MIDPOINTS])
+    midpoints = torch.tensor([m for m, _ in nvfp4_reference._MIDPOINTS])
     around = torch.cat(
         [midpoints, midpoints.nextafter(torch.tensor(0.0)), midpoints.nextafter(torch.tensor(9.0))]
     )
