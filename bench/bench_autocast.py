@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fastcast as fc
-from fastcast.state import autocast_key
+from fastcast.runtime.state import autocast_key
 
 INNER = 1000
 

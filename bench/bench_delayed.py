@@ -29,8 +29,8 @@ import torch
 
 import fastcast as fc
 from fastcast.delayed import FORWARD
+from fastcast.runtime.state import thread_state
 from fastcast.schemes.delayed import DelayedScalingScheme, DelayedThreadState
-from fastcast.state import thread_state
 
 INNER = 10
 FEATURES = 16

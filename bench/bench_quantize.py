@@ -19,8 +19,8 @@ import importlib
 import pytest
 import torch
 
-from fastcast.quantize.nvfp4 import NVFP4Quantizer
-from fastcast.quantize.tensorwise import CurrentScalingQuantizer
+from fastcast.quantizers.nvfp4 import NVFP4Quantizer
+from fastcast.quantizers.tensorwise import CurrentScalingQuantizer
 
 GROUP = "quantize-4096"
 SIZE = 4096
@@ -88,26 +88,26 @@ def test_current_scaling_both(benchmark, x):
 
 
 def test_block_1x128_both(benchmark, x):
-    quantizer = _quantizer("fastcast.quantize.block", "BlockScalingQuantizer", block_dim=1)
+    quantizer = _quantizer("fastcast.quantizers.block", "BlockScalingQuantizer", block_dim=1)
     _run(benchmark, _both(quantizer), x)
 
 
 def test_mxfp8_both(benchmark, x):
-    _run(benchmark, _both(_quantizer("fastcast.quantize.mx", "MXFP8Quantizer")), x)
+    _run(benchmark, _both(_quantizer("fastcast.quantizers.mx", "MXFP8Quantizer")), x)
 
 
 def test_block_1x128(benchmark, x):
-    quantizer = _quantizer("fastcast.quantize.block", "BlockScalingQuantizer", block_dim=1)
+    quantizer = _quantizer("fastcast.quantizers.block", "BlockScalingQuantizer", block_dim=1)
     _run(benchmark, _rowwise(quantizer), x)
 
 
 def test_block_128x128(benchmark, x):
-    quantizer = _quantizer("fastcast.quantize.block", "BlockScalingQuantizer", block_dim=2)
+    quantizer = _quantizer("fastcast.quantizers.block", "BlockScalingQuantizer", block_dim=2)
     _run(benchmark, _rowwise(quantizer), x)
 
 
 def test_mxfp8(benchmark, x):
-    _run(benchmark, _rowwise(_quantizer("fastcast.quantize.mx", "MXFP8Quantizer")), x)
+    _run(benchmark, _rowwise(_quantizer("fastcast.quantizers.mx", "MXFP8Quantizer")), x)
 
 
 def test_nvfp4(benchmark, x):
@@ -119,8 +119,8 @@ def test_nvfp4_16x16(benchmark, x):
 
 
 def test_rowwise(benchmark, x):
-    _run(benchmark, _rowwise(_quantizer("fastcast.quantize.rowwise", "RowwiseQuantizer")), x)
+    _run(benchmark, _rowwise(_quantizer("fastcast.quantizers.rowwise", "RowwiseQuantizer")), x)
 
 
 def test_rowwise_both(benchmark, x):
-    _run(benchmark, _both(_quantizer("fastcast.quantize.rowwise", "RowwiseQuantizer")), x)
+    _run(benchmark, _both(_quantizer("fastcast.quantizers.rowwise", "RowwiseQuantizer")), x)

@@ -1,4 +1,4 @@
-"""What the Inductor-compiled quantize operators (``fastcast.kernels.compiled``: CUDA's
+"""What the Inductor-compiled quantize operators (``fastcast.kernels.inductor``: CUDA's
 kernels, and every device's under ``FASTCAST_KERNELS=compiled``) cost to compile, in a
 first process (empty Inductor cache) and in a second one (the cache on disk warm).
 

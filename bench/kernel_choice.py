@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from fastcast.kernels import build, choice
-from fastcast.quantize.tensorwise import CurrentScalingQuantizer
+from fastcast.quantizers.tensorwise import CurrentScalingQuantizer
 
 SIZES = {16: 2000, 4096: 15}  # side -> calls timed
 

@@ -3,7 +3,7 @@
 ``python -m bench.overhead_report [--recipe current --steps 10 --per-module ...]`` trains
 bench/train_step.py's model (same model, data and optimizer) with fastcast's ranges on
 (``fc.profiling.enable()``), profiles ``--steps`` steps after a warm-up, and prints per
-range (``fastcast.Linear.forward``, ``fastcast.quantize.*``, ``fastcast.scaled_mm``, ...):
+range (``fastcast.Linear.forward``, ``fastcast.quantizers.*``, ``fastcast.scaled_mm``, ...):
 
 - calls per step, CPU µs per call (the range's wall time on the CPU thread);
 - kernel µs per call. On CUDA: the device time of the kernels launched inside the range

@@ -3,17 +3,10 @@
 from . import profiling
 from ._on_import import register_when_dynamo_imported
 from .autocast import autocast
-from .checkpoint import allow_unsafe_extra_state, read_extra_state, strip_extra_state
 from .gemm import scaled_mm
 from .gemm_grouped import grouped_mm
-from .hardware import (
-    fp8_available,
-    fp8_block_scaling_available,
-    fp8_rowwise_available,
-    mxfp8_available,
-    nvfp4_available,
-)
 from .nn import Conv1D, GroupedLinear, Linear, convert, keep_high_precision
+from .nn.recompute import checkpoint_context
 from .numerics import inspect
 from .recipe import (
     CustomRecipe,
@@ -26,14 +19,25 @@ from .recipe import (
     NVFP4BlockScaling,
     Recipe,
 )
-from .recompute import checkpoint_context
+from .runtime.hardware import (
+    fp8_available,
+    fp8_block_scaling_available,
+    fp8_rowwise_available,
+    mxfp8_available,
+    nvfp4_available,
+)
+from .runtime.state import get_autocast_recipe, is_autocast_enabled
 from .schemes import quantize
-from .state import get_autocast_recipe, is_autocast_enabled
+from .serialization.extra_state import (
+    allow_unsafe_extra_state,
+    read_extra_state,
+    strip_extra_state,
+)
 from .tensor import QuantizedTensor, TensorProto
 
 __version__ = "0.1.0"
 
-register_when_dynamo_imported()  # torch.compile support (fastcast.dynamo), imported lazily
+register_when_dynamo_imported()  # torch.compile support (fastcast.compile), imported lazily
 if profiling.ENV_ENABLED:  # FASTCAST_NVTX=1: every module is imported, wrap them now
     profiling.enable()
 

@@ -1,4 +1,4 @@
-"""Register ``fastcast.dynamo`` with Dynamo when ``torch._dynamo`` is imported.
+"""Register ``fastcast.compile`` with Dynamo when ``torch._dynamo`` is imported.
 
 Importing ``torch._dynamo`` takes about a second, so ``import fastcast`` does not: if it
 is already imported the polyfills are registered at once; otherwise a one-shot import
@@ -19,7 +19,7 @@ _DYNAMO = "torch._dynamo"
 
 def register_when_dynamo_imported() -> None:
     if _DYNAMO in sys.modules:
-        importlib.import_module("fastcast.dynamo")
+        importlib.import_module("fastcast.compile")
     else:
         sys.meta_path.insert(0, _DynamoImportHook())
 
@@ -36,7 +36,7 @@ class _DynamoImportHook(importlib.abc.MetaPathFinder):
 
         def exec_then_register(module: Any) -> None:
             exec_module(module)
-            importlib.import_module("fastcast.dynamo")
+            importlib.import_module("fastcast.compile")
 
         spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
         return spec

@@ -7,12 +7,20 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import state as _state
-from .hardware import default_device_type, on_refresh
 from .profiling import annotate
 from .recipe import Recipe
+from .runtime import state as _state
+from .runtime.hardware import default_device_type, on_refresh
+from .runtime.state import (
+    AutocastFrame,
+    Stack,
+    frames,
+    get_stack,
+    reset_stack,
+    set_stack,
+    thread_state,
+)
 from .schemes import default_recipe, scheme_for
-from .state import AutocastFrame, Stack, frames, get_stack, reset_stack, set_stack, thread_state
 
 F = TypeVar("F", bound=Callable[..., Any])
 

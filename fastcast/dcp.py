@@ -47,7 +47,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
-from .checkpoint import EXTRA_STATE_KEY, decode_extra_state, is_extra_state_entry
+from .serialization.extra_state import (
+    EXTRA_STATE_KEY,
+    decode_extra_state,
+    is_extra_state_entry,
+)
 
 __all__ = [
     "CheckpointLoadError",

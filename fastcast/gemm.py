@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from . import hardware
 from .kernels import fused_op
 from .profiling import annotate
+from .runtime import hardware
 from .tensor import WHOLE, QuantizedTensor
 
 BACKENDS = ("hardware", "emulate")
@@ -141,7 +141,7 @@ def _product_family(a: QuantizedTensor, b: QuantizedTensor) -> str:
 def runs_kernel(a: QuantizedTensor, b: QuantizedTensor, device_type: str) -> bool:
     """Whether ``torch._scaled_mm`` computes this product, on a device that has a kernel
     for its family: on CUDA within the kernel's shape limits, on the CPU always (under
-    ``torch.compile`` the CPU emulates instead: ``fastcast.dynamo`` says why)."""
+    ``torch.compile`` the CPU emulates instead: ``fastcast.compile`` says why)."""
     return device_type != "cuda" or _fits_cuda_kernel(a, b)
 
 

@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-from . import hardware
 from .formats import ELEMENT_MAX
 from .recipe import (
     DelayedScaling,
@@ -56,6 +55,7 @@ from .reference.mx import MX_BLOCK, power_of_2, shared_exponent
 from .reference.nvfp4 import BLOCK as NVFP4_BLOCK
 from .reference.nvfp4 import encode_blocks as nvfp4_encode
 from .reference.rows import row_amax
+from .runtime import hardware
 from .tensor import BLOCKWISE, MXFP8, NVFP4, ROWWISE, TENSORWISE
 
 BLOCK_TILE = 128  # Float8BlockScaling's block extent

@@ -58,11 +58,11 @@ from .autocast import autocast as _autocast
 from .formats import ELEMENT_MAX
 from .nn import linear as _linear
 from .nn.linear import Linear
-from .quantize.tensorwise import DelayedScalingQuantizer
+from .quantizers.tensorwise import DelayedScalingQuantizer
 from .recipe import Format
 from .reference.cast import as_matrix
 from .reference.hadamard import transform_rows
-from .state import frames, get_stack
+from .runtime.state import frames, get_stack
 
 OPERANDS = ("input", "weight", "grad_output")
 LAYOUTS = ("rowwise", "columnwise")

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import state as _state
+from .runtime import state as _state
 
 F = TypeVar("F", bound=Callable[..., Any])
 

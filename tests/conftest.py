@@ -6,7 +6,7 @@
     @pytest.mark.parametrize("gemm_mode", ["emulate"], indirect=True)
     def test_x(gemm_mode): ...
 
-Every switch calls ``fastcast.hardware.refresh()`` so that the cached capability
+Every switch calls ``fastcast.runtime.hardware.refresh()`` so that the cached capability
 answers are recomputed; on teardown the previous value is restored and the caches are
 refreshed again, so no test sees another test's mode.
 
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from fastcast import hardware, state
+from fastcast.runtime import hardware, state
 
 _ENV = "FASTCAST_GEMM"
 

@@ -31,8 +31,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd import Variable
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastcast import hardware
 from fastcast.kernels import choice, compiled
+from fastcast.runtime import hardware
 
 _GUARD_SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")
 _guard_loaded = False

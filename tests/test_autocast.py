@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastcast as fc
-from fastcast import hardware, state
-from fastcast.state import OUTSIDE
+from fastcast.runtime import hardware, state
+from fastcast.runtime.state import OUTSIDE
 
 autocast_module = importlib.import_module("fastcast.autocast")  # the module, not the class
 

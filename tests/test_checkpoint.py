@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fastcast as fc
-from fastcast import state as fc_state
+from fastcast.runtime import state as fc_state
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

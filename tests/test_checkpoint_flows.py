@@ -7,7 +7,7 @@ and into a plain one with ``from_pretrained``), safetensors ``save_file``/``load
 ``torch.save`` of the state dict with ``torch.load(weights_only=True, mmap=True)``, DCP
 into a model that has never run, ``torch.save`` of the whole model, and ``deepcopy``.
 
-Delayed-scaling state lives in per-thread slabs (``fastcast.state.thread_state`` is a
+Delayed-scaling state lives in per-thread slabs (``fastcast.runtime.state.thread_state`` is a
 ``threading.local``; a fresh ``contextvars.Context`` shares its thread's). A slab update
 moves only the columns of modules that ran, so models sharing a thread stay apart (the
 copy tests check exactly that); still, each model runs in a worker thread of its own,

@@ -13,10 +13,10 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fastcast as fc
-from fastcast.quantize.block import BlockScalingQuantizer
-from fastcast.quantize.mx import MXFP8Quantizer
-from fastcast.quantize.rowwise import RowwiseQuantizer
-from fastcast.quantize.tensorwise import CurrentScalingQuantizer
+from fastcast.quantizers.block import BlockScalingQuantizer
+from fastcast.quantizers.mx import MXFP8Quantizer
+from fastcast.quantizers.rowwise import RowwiseQuantizer
+from fastcast.quantizers.tensorwise import CurrentScalingQuantizer
 
 pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
 

@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 import fastcast as fc
-from fastcast.checkpoint import decode_extra_state, encode_extra_state
 from fastcast.delayed import BACKWARD, FORWARD, ScalingMeta, ScalingOrigin
+from fastcast.serialization.extra_state import decode_extra_state, encode_extra_state
 
 FIXTURES = Path(__file__).parent / "fixtures" / "extra_state"
 MAGIC, HEADER = 0xFCA570, 16

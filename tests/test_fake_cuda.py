@@ -16,7 +16,7 @@ import torch
 from fake_cuda import fake_parameters, on_fresh_thread, run_backward, simulated_cuda
 
 import fastcast as fc
-from fastcast import hardware
+from fastcast.runtime import hardware
 
 SM89, SM90, SM100 = (8, 9), (9, 0), (10, 0)
 RECIPES = {

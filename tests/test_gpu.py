@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastcast as fc
-from fastcast import hardware
+from fastcast.runtime import hardware
 from fastcast.schemes import recipe_support
 
 pytestmark = [
@@ -41,7 +41,7 @@ def _reference(a_q, b_q, bias=None) -> torch.Tensor:
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt_a", ["e4m3", "e5m2"])
 def test_tensor_core_gemm_matches_emulation_and_reference(out_dtype, fmt_a):
-    from fastcast.quantize.tensorwise import CurrentScalingQuantizer
+    from fastcast.quantizers.tensorwise import CurrentScalingQuantizer
 
     torch.manual_seed(0)
     a = CurrentScalingQuantizer(fmt_a).quantize(torch.randn(128, 256, device="cuda"))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fastcast as fc
-from fastcast.quantize.nvfp4 import NVFP4Quantizer
+from fastcast.quantizers.nvfp4 import NVFP4Quantizer
 from fastcast.reference import hadamard
 from fastcast.schemes import scheme_for
 

@@ -17,8 +17,8 @@ import fastcast as fc
 from fastcast import kernels
 from fastcast.formats import ELEMENT_MAX, FP8_DTYPES
 from fastcast.kernels import build, choice
-from fastcast.quantize import tensorwise
-from fastcast.quantize.tensorwise import (
+from fastcast.quantizers import tensorwise
+from fastcast.quantizers.tensorwise import (
     CurrentScalingQuantizer,
     DelayedScalingQuantizer,
     quantize_with_scale,
@@ -369,9 +369,9 @@ def test_fused_dequantize_equals_reference(op, kernels_mode):
     """Dequantized layouts (what the emulated GEMMs read) are bit for bit the reference's
     for per-tensor, 1x128, 128x128 and MXFP8 tensors, partial tiles, both layouts and
     non-finite codes included."""
-    from fastcast.quantize.block import BlockScalingQuantizer
-    from fastcast.quantize.mx import MXFP8Quantizer
-    from fastcast.quantize.rowwise import RowwiseQuantizer
+    from fastcast.quantizers.block import BlockScalingQuantizer
+    from fastcast.quantizers.mx import MXFP8Quantizer
+    from fastcast.quantizers.rowwise import RowwiseQuantizer
 
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(200, 320, generator=gen) * 5

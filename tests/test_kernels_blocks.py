@@ -14,9 +14,9 @@ from test_kernels import DTYPES, FORMATS, SPECIALS, _bytes
 
 from fastcast.formats import FP8_DTYPES
 from fastcast.kernels import choice
-from fastcast.quantize import block, mx
-from fastcast.quantize.block import BlockScalingQuantizer
-from fastcast.quantize.mx import MXFP8Quantizer
+from fastcast.quantizers import block, mx
+from fastcast.quantizers.block import BlockScalingQuantizer
+from fastcast.quantizers.mx import MXFP8Quantizer
 from fastcast.reference import mx as mx_reference
 from fastcast.reference import tiles
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from fastcast.kernels import build, choice
-from fastcast.quantize import tensorwise
-from fastcast.quantize.tensorwise import CurrentScalingQuantizer
+from fastcast.quantizers import tensorwise
+from fastcast.quantizers.tensorwise import CurrentScalingQuantizer
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_SLOW = os.environ.get("FASTCAST_SLOW_TESTS") == "1"
@@ -125,7 +125,7 @@ QUANTIZE = textwrap.dedent(
     """
     import warnings, torch
     from fastcast.kernels import choice
-    from fastcast.quantize.tensorwise import CurrentScalingQuantizer
+    from fastcast.quantizers.tensorwise import CurrentScalingQuantizer
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         x = torch.randn(64, 64)

@@ -1,4 +1,4 @@
-"""The Inductor-compiled quantize operators (``fastcast.kernels.compiled``: what CUDA runs,
+"""The Inductor-compiled quantize operators (``fastcast.kernels.inductor``: what CUDA runs,
 and every device under ``FASTCAST_KERNELS=compiled``) against the PyTorch reference, bit
 for bit, and the choice that hands them out.
 
@@ -19,11 +19,11 @@ import torch
 
 import fastcast as fc
 from fastcast.kernels import choice, compiled
-from fastcast.quantize.block import BlockScalingQuantizer
-from fastcast.quantize.mx import MXFP8Quantizer
-from fastcast.quantize.nvfp4 import NVFP4Quantizer
-from fastcast.quantize.rowwise import RowwiseQuantizer
-from fastcast.quantize.tensorwise import (
+from fastcast.quantizers.block import BlockScalingQuantizer
+from fastcast.quantizers.mx import MXFP8Quantizer
+from fastcast.quantizers.nvfp4 import NVFP4Quantizer
+from fastcast.quantizers.rowwise import RowwiseQuantizer
+from fastcast.quantizers.tensorwise import (
     CurrentScalingQuantizer,
     DelayedScalingQuantizer,
     quantize_with_scale,

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from test_kernels import DTYPES, kernels_mode  # noqa: F401 - kernels_mode: a fixture
 
 from fastcast.kernels import choice, fused_op
-from fastcast.quantize.nvfp4 import NVFP4Quantizer
+from fastcast.quantizers.nvfp4 import NVFP4Quantizer
 from fastcast.reference import nvfp4 as nvfp4_reference
 from fastcast.tensor import NVFP4Tensor
 

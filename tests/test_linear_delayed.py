@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fastcast as fc
-from fastcast.quantize.tensorwise import FixedScaleQuantizer
+from fastcast.quantizers.tensorwise import FixedScaleQuantizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -29,7 +29,7 @@ from torch import nn
 
 import fastcast as fc
 from fastcast.kernels import choice
-from fastcast.quantize import (
+from fastcast.quantizers import (
     BlockScalingQuantizer,
     CurrentScalingQuantizer,
     DelayedScalingQuantizer,

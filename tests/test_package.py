@@ -168,14 +168,14 @@ def test_import_fastcast_leaves_dcp_unimported():
 
 def test_import_fastcast_leaves_dynamo_unimported_until_torch_compile_needs_it():
     """``import fastcast`` does not pay the second ``torch._dynamo`` takes to import; the
-    polyfills of ``fastcast.dynamo`` are registered when it is imported, before or after."""
+    polyfills of ``fastcast.compile`` are registered when it is imported, before or after."""
     code = (
         "import sys, fastcast; m = sys.modules; "
-        "print('torch._dynamo' in m, 'fastcast.dynamo' in m); "
-        "import torch._dynamo; print('fastcast.dynamo' in m)"
+        "print('torch._dynamo' in m, 'fastcast.compile' in m); "
+        "import torch._dynamo; print('fastcast.compile' in m)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False", "True"]
-    code = "import sys, torch._dynamo, fastcast; print('fastcast.dynamo' in sys.modules)"
+    code = "import sys, torch._dynamo, fastcast; print('fastcast.compile' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True"]

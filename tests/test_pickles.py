@@ -29,8 +29,13 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import fastcast as fc
-from fastcast import pickles, unpickling
-from fastcast.te_state import TE_ALLOW_LIST, TE_RECIPE_MODULE, TE_STAND_INS
+from fastcast.serialization import pickle_model as pickles
+from fastcast.serialization import unpickling
+from fastcast.serialization.transformer_engine import (
+    TE_ALLOW_LIST,
+    TE_RECIPE_MODULE,
+    TE_STAND_INS,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

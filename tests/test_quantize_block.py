@@ -26,7 +26,7 @@ from fp8_reference import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastcast.quantize.block import BlockScalingQuantizer
+from fastcast.quantizers.block import BlockScalingQuantizer
 from fastcast.tensor import Float8Tensor
 
 

@@ -17,7 +17,7 @@ from fp8_reference import FMT_MAX, FP32_MAX, GRIDS, assert_codes_equal, decode_f
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastcast.quantize.mx import MXFP8Quantizer
+from fastcast.quantizers.mx import MXFP8Quantizer
 from fastcast.tensor import MXFP8Tensor
 
 EMAX_ELEM = {"e4m3": 8, "e5m2": 15}

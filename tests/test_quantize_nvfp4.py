@@ -18,8 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastcast.quantize.base import Quantizer
-from fastcast.quantize.nvfp4 import NVFP4Quantizer
+from fastcast.quantizers.base import Quantizer
+from fastcast.quantizers.nvfp4 import NVFP4Quantizer
 from fastcast.tensor import NVFP4Tensor
 
 F64 = torch.float64

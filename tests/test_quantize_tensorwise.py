@@ -29,7 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastcast as fc
-from fastcast.quantize import (
+from fastcast.quantizers import (
     CurrentScalingQuantizer,
     DelayedScalingQuantizer,
     FixedScaleQuantizer,

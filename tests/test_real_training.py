@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fastcast as fc
-from fastcast import state
-from fastcast.state import OUTSIDE
+from fastcast.runtime import state
+from fastcast.runtime.state import OUTSIDE
 
 
 def in_thread(fn, *args):

@@ -24,7 +24,7 @@ from fastcast import (
     MXFP8BlockScaling,
     NVFP4BlockScaling,
 )
-from fastcast.state import autocast_key
+from fastcast.runtime.state import autocast_key
 
 
 # Module-level callables, so that recipes holding them can be pickled.

@@ -32,7 +32,7 @@ from torch import nn
 
 import fastcast as fc
 from fastcast.kernels import choice
-from fastcast.quantize import RowwiseQuantizer
+from fastcast.quantizers import RowwiseQuantizer
 from fastcast.tensor import ROWWISE, Float8Tensor
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -334,7 +334,7 @@ def test_recipe_defaults_are_torchaos_rowwise_and_roles_pick_formats():
 def test_cpu_emulates_per_row_gemms_unless_told_otherwise(gemm_mode):
     """torch._scaled_mm's CPU kernel takes per-row scales but is slower than the
     emulation: ``auto`` emulates them, ``FASTCAST_GEMM=hardware`` runs the kernel."""
-    from fastcast.hardware import gemm_backend
+    from fastcast.runtime.hardware import gemm_backend
 
     gemm_mode("auto")
     assert gemm_backend("cpu", ROWWISE)[0] == "emulate"

@@ -11,7 +11,7 @@ from fp8_reference import decode_fp8, encode_fp8
 from torch import nn
 
 import fastcast as fc
-from fastcast.quantize.tensorwise import quantize_with_scale
+from fastcast.quantizers.tensorwise import quantize_with_scale
 from fastcast.schemes import Scheme, recipe_support, register_scheme, scheme_for
 from fastcast.tensor import TENSORWISE
 

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastcast as fc
-from fastcast import state
+from fastcast.runtime import state
+from fastcast.runtime.state import OUTSIDE, ThreadState, autocast_key
 from fastcast.schemes.delayed import DelayedThreadState
-from fastcast.state import OUTSIDE, ThreadState, autocast_key
 
 
 class Group:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fastcast.quantize import (
+from fastcast.quantizers import (
     BlockScalingQuantizer,
     CurrentScalingQuantizer,
     FixedScaleQuantizer,

@@ -14,7 +14,7 @@ device kind (see ``refresh``):
 
 Other devices always run the reference. Nothing is built or compiled at import: the C++
 library on the first CPU quantize that could use it, each compiled operator at its first
-call. Under ``torch.compile`` the reference is what gets traced (``fastcast.dynamo``
+call. Under ``torch.compile`` the reference is what gets traced (``fastcast.compile``
 replaces ``fused_op`` there), so Inductor fuses it with its neighbours and no compiled
 operator is nested in the user's graph.
 """
@@ -79,7 +79,7 @@ def registered_op(name: str) -> Any:
 
 def refresh() -> None:
     """Choose again on the next quantize (after changing ``FASTCAST_KERNELS``). Part of
-    ``fastcast.hardware.refresh()``, which forgets every environment-derived answer
+    ``fastcast.runtime.hardware.refresh()``, which forgets every environment-derived answer
     (this module sits below ``hardware`` and cannot call it)."""
     global _cpu_ops, _cuda_ops
     _cpu_ops = _cuda_ops = None

@@ -11,9 +11,9 @@ from typing import Any
 
 from torch import nn
 
-from ..checkpoint import EXTRA_STATE_KEY
 from ..recipe import Recipe
 from ..schemes import DEFAULT_ALIGNMENT, scheme_for
+from ..serialization.extra_state import EXTRA_STATE_KEY
 from .conv1d import HF_MODULE, Conv1D, adopt_hf_conv1d, is_hf_conv1d
 from .grouped import convert_experts
 from .linear import Linear, guard_loads

@@ -19,8 +19,8 @@ from torch import nn
 
 from ..gemm_grouped import group_ids, grouped_mm, grouped_scaling
 from ..recipe import Recipe
-from ..recompute import checkpoint_region
-from ..state import OUTSIDE, AutocastFrame, get_stack
+from ..runtime.state import OUTSIDE, AutocastFrame, get_stack
+from .recompute import checkpoint_region
 
 logger = logging.getLogger("fastcast")
 

@@ -8,28 +8,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import (
+from ..delayed import ScalingMeta
+from ..distributed import is_dtensor
+from ..profiling import annotate
+from ..quantizers.base import check_input
+from ..recipe import Recipe
+from ..runtime.state import OUTSIDE, AutocastFrame, get_stack, mark_ran
+from ..schemes import Plan, scheme_for
+from ..serialization.extra_state import (
     EXTRA_STATE_KEY,
     decode_extra_state,
     encode_extra_state,
     legacy_pickled_state,
 )
-from ..delayed import ScalingMeta
-from ..distributed import is_dtensor
-from ..profiling import annotate
-from ..quantize.base import check_input
-from ..recipe import Recipe
-from ..recompute import RecomputeLog, checkpoint_region
-from ..schemes import Plan, scheme_for
-from ..state import OUTSIDE, AutocastFrame, get_stack, mark_ran
 from .function import LinearFunction, forward_gemm
+from .recompute import RecomputeLog, checkpoint_region
 from .weight_cache import WeightCache
 
 
 class Linear(nn.Linear):
     """Drop-in for ``nn.Linear``: same constructor, parameters and state-dict keys, plus
-    ``_extra_state``: one small float32 tensor (``fastcast.checkpoint`` has its layout),
-    holding the delayed-scaling amax histories and scales when the module has them.
+    ``_extra_state``: one small float32 tensor (``fastcast.serialization.extra_state`` has
+    its layout), holding the delayed-scaling amax histories and scales when the module has them.
 
     Outside ``fc.autocast`` (or with ``enabled=False``) it computes exactly what
     ``nn.Linear`` does. Inside, forward, dgrad and wgrad GEMMs take quantized operands
@@ -171,7 +171,7 @@ class Linear(nn.Linear):
         scheme_for(recipe).prepare(recipe, self._metas, device)
 
     def get_extra_state(self) -> torch.Tensor:
-        """A 1-D float32 CPU tensor (``fastcast.checkpoint`` documents the layout)."""
+        """A 1-D float32 CPU tensor (layout: ``fastcast.serialization.extra_state``)."""
         return encode_extra_state(self._metas)
 
     def set_extra_state(self, state: Any) -> None:
@@ -322,7 +322,7 @@ torch.nn.modules.module.register_module_module_registration_hook(_on_registratio
 def plan_for(module: Linear, frame: AutocastFrame, weight: torch.Tensor) -> Plan:
     """``module``'s plan for the frame's (recipe, group), rebuilt only when it changes.
 
-    (A function, not a method, so that ``fastcast.dynamo`` can give compiled code its own.)
+    (A function, not a method, so that ``fastcast.compile`` can give compiled code its own.)
     """
     plan = module._plan
     if plan is None or not plan.matches(frame):

@@ -45,9 +45,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..distributed.amax import all_reduce_max
-from ..quantize.base import check_input, transposed_codes
-from ..quantize.nvfp4 import NVFP4Quantizer
-from ..quantize.rowwise import PER_ROW, RowwiseQuantizer
+from ..quantizers.base import check_input, transposed_codes
+from ..quantizers.nvfp4 import NVFP4Quantizer
+from ..quantizers.rowwise import PER_ROW, RowwiseQuantizer
 from ..recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -60,8 +60,8 @@ from ..reference import hadamard, nvfp4
 from ..reference.cast import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
 from ..reference.nvfp4 import BLOCK
 from ..reference.rows import row_amax
+from ..runtime.state import AutocastFrame
 from ..schemes import Plan, scheme_for
-from ..state import AutocastFrame
 from ..tensor import Float8Tensor, NVFP4Tensor
 from .function import LinearFunction, forward_gemm
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from ..quantize.base import Quantizer
-from ..state import optimizer_steps
+from ..quantizers.base import Quantizer
+from ..runtime.state import optimizer_steps
 from ..tensor import QuantizedTensor
 
 
@@ -38,7 +38,7 @@ def quantize_weight(
 ) -> QuantizedTensor:
     """The quantized ``weight``, from ``cache`` when ``first`` is False and it is valid.
 
-    (A function, not a method, so that ``fastcast.dynamo`` can give compiled code its own.)
+    (A function, not a method, so that ``fastcast.compile`` can give compiled code its own.)
     """
     entry = cache.entry
     if first is False and entry is not None:

@@ -7,9 +7,9 @@ import functools
 
 import torch
 
-from ..hardware import cuda_capability, has_kernel, on_refresh
-from ..quantize.base import ROLES
+from ..quantizers.base import ROLES
 from ..recipe import DelayedScaling, MXFP8BlockScaling, Recipe
+from ..runtime.hardware import cuda_capability, has_kernel, on_refresh
 from ..tensor import MXFP8, QuantizedTensor
 from . import block, current, custom, delayed, mx, nvfp4, per_row  # noqa: F401 - register
 from .base import DEFAULT_ALIGNMENT, Plan, Scheme, recipe_support, register_scheme, scheme_for

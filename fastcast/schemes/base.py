@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..hardware import default_device_type, gemm_backend
-from ..quantize.base import ROLES, Quantizer
+from ..quantizers.base import ROLES, Quantizer
 from ..recipe import Recipe
-from ..state import AutocastFrame
+from ..runtime.hardware import default_device_type, gemm_backend
+from ..runtime.state import AutocastFrame
 
 # The FP8 tensor-core kernels need both GEMM dims of a weight to be multiples of 16.
 DEFAULT_ALIGNMENT = 16

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..quantize.block import BlockScalingQuantizer
+from ..quantizers.block import BlockScalingQuantizer
 from ..recipe import Float8BlockScaling
 from ..tensor import BLOCKWISE
 from .base import Scheme, register_scheme

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..quantize.tensorwise import CurrentScalingQuantizer
+from ..quantizers.tensorwise import CurrentScalingQuantizer
 from ..recipe import Float8CurrentScaling
 from ..tensor import TENSORWISE
 from .base import Scheme, register_scheme

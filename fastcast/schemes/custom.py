@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..quantize.base import Quantizer
+from ..quantizers.base import Quantizer
 from ..recipe import CustomRecipe
 from .base import Scheme, register_scheme
 

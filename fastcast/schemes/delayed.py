@@ -20,7 +20,7 @@ The one stateful scheme, and everything it means lives here:
   (the autograd graph task) that ran any delayed-scaling module's backward finishes,
   whichever modules it reached. Step k quantizes with the scales from amaxes up to step
   k-1. Compiled code cannot run these hooks: ``join_compiled`` sets up the same updates
-  from eager (``fastcast.dynamo`` tells how).
+  from eager (``fastcast.compile`` tells how).
 """
 
 from __future__ import annotations
@@ -36,10 +36,20 @@ from torch.autograd import Variable
 
 from ..delayed import BACKWARD, FORWARD, ScalingMeta, ScalingOrigin, Slab
 from ..profiling import annotate
-from ..quantize.base import Quantizer
-from ..quantize.tensorwise import DelayedScalingQuantizer, FixedScaleQuantizer, record_amax
+from ..quantizers.base import Quantizer
+from ..quantizers.tensorwise import (
+    DelayedScalingQuantizer,
+    FixedScaleQuantizer,
+    record_amax,
+)
 from ..recipe import DelayedScaling
-from ..state import AutocastFrame, Stack, ThreadState, note_stateful_thread, thread_state
+from ..runtime.state import (
+    AutocastFrame,
+    Stack,
+    ThreadState,
+    note_stateful_thread,
+    thread_state,
+)
 from ..tensor import TENSORWISE
 from .base import Plan, Scheme, register_scheme
 
@@ -379,7 +389,7 @@ class DelayedScalingScheme(Scheme):
         self, frame: AutocastFrame, module_state: dict[Any, Any], params: list[torch.Tensor]
     ) -> None:
         """Eager set-up for compiled code that records into a module's metas (see
-        ``fastcast.dynamo``): attach them to this thread's slabs as ``plan`` does, have
+        ``fastcast.compile``): attach them to this thread's slabs as ``plan`` does, have
         every update include those slabs, and have the backward pass end the step through
         a hook on the first of ``params`` (the module's) that requires grad.
 

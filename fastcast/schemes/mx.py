@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..quantize.mx import MXFP8Quantizer
+from ..quantizers.mx import MXFP8Quantizer
 from ..recipe import MXFP8BlockScaling
 from ..reference.mx import MX_BLOCK
 from ..tensor import MXFP8

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..quantize.nvfp4 import NVFP4Quantizer
+from ..quantizers.nvfp4 import NVFP4Quantizer
 from ..recipe import NVFP4BlockScaling
 from ..reference.hadamard import sign_vector
 from ..reference.nvfp4 import BLOCK

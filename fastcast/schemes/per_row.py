@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..quantize.rowwise import RowwiseQuantizer
+from ..quantizers.rowwise import RowwiseQuantizer
 from ..recipe import Float8RowwiseScaling
 from ..tensor import ROWWISE
 from .base import Scheme, register_scheme

@@ -32,13 +32,13 @@ import torch
 from torch._dynamo import assume_constant_result
 from torch._dynamo.comptime import comptime
 
-from .. import state as _state
 from ..delayed import BACKWARD, FORWARD
-from ..quantize.tensorwise import DelayedScalingQuantizer, record_amax
+from ..quantizers.tensorwise import DelayedScalingQuantizer, record_amax
 from ..recipe import DelayedScaling
+from ..runtime import state as _state
+from ..runtime.state import AutocastFrame, Stack
 from ..schemes import Plan, scheme_for
 from ..schemes.delayed import DelayedScalingScheme
-from ..state import AutocastFrame, Stack
 
 
 def traced_delayed_plan(module: Any, frame: AutocastFrame) -> Plan:

@@ -14,11 +14,11 @@ import torch
 
 from ..distributed import all_reduce_max
 from ..nn.linear import plan_for
+from ..nn.recompute import checkpoint_region
 from ..nn.weight_cache import WeightCache, quantize_weight
-from ..recompute import checkpoint_region
+from ..runtime.state import AutocastFrame
 from ..schemes import Plan, Scheme, scheme_for
 from ..schemes.delayed import DelayedScalingScheme
-from ..state import AutocastFrame
 from .delayed import traced_delayed_plan
 
 

@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from torch._dynamo import assume_constant_result
 
-from .. import gemm, hardware
+from .. import gemm
 from ..formats import ELEMENT_MAX, FP8_DTYPES
 from ..kernels import choice as _kernel_choice
 from ..reference.cast import scale_and_cast
+from ..runtime import hardware
 
 # The machine's answers are fixed for a trace (the GEMM path depends on the device and on
 # FASTCAST_GEMM, read when traced): run them at trace time and keep the answers as

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .state import AutocastFrame
+from ..runtime.state import AutocastFrame
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _graph_task_id = torch._C._current_graph_task_id

@@ -1,4 +1,4 @@
-"""The autocast stack as Dynamo sees it: ``fastcast.state``'s traced accessors.
+"""The autocast stack as Dynamo sees it: ``fastcast.runtime.state``'s traced accessors.
 
 Eager autocast keeps its stack in a ``ContextVar``, whose methods Dynamo cannot trace.
 The three accessors (``state.get_stack``, ``set_stack``, ``reset_stack``) get the
@@ -21,7 +21,7 @@ import torch
 from torch._dynamo import assume_constant_result
 from torch._dynamo.symbolic_convert import InstructionTranslator
 
-from .. import state as _state
+from ..runtime import state as _state
 
 _autocast_module = importlib.import_module("fastcast.autocast")  # the module, not the class
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from .delayed import (
+from ..delayed import (
     BACKWARD,
     FORWARD,
     UNKNOWN_ORIGIN,
@@ -59,10 +59,16 @@ from .delayed import (
     ScalingOrigin,
     check_scaling_tensors,
 )
-from .formats import FP8_FORMATS
-from .pickles import describe_pickle, payload_bytes
-from .state import UnsafeExtraState, unsafe_extra_state_allowed
-from .te_state import TE_ALLOW_LIST, TE_KEYS, describe_items, from_transformer_engine, hashable
+from ..formats import FP8_FORMATS
+from ..runtime.state import UnsafeExtraState, unsafe_extra_state_allowed
+from .pickle_model import describe_pickle, payload_bytes
+from .transformer_engine import (
+    TE_ALLOW_LIST,
+    TE_KEYS,
+    describe_items,
+    from_transformer_engine,
+    hashable,
+)
 from .unpickling import unpickle
 
 EXTRA_STATE_KEY = "_extra_state"  # nn.Module's name for it in state dicts

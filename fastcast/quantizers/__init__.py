@@ -8,7 +8,11 @@ from .block import BlockScalingQuantizer
 from .mx import MXFP8Quantizer
 from .nvfp4 import NVFP4Quantizer
 from .rowwise import RowwiseQuantizer
-from .tensorwise import CurrentScalingQuantizer, DelayedScalingQuantizer, FixedScaleQuantizer
+from .tensorwise import (
+    CurrentScalingQuantizer,
+    DelayedScalingQuantizer,
+    FixedScaleQuantizer,
+)
 
 __all__ = [
     "ROLES",

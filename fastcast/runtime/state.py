@@ -21,7 +21,7 @@ import threading
 import weakref
 from typing import Any, Protocol
 
-from .recipe import Recipe
+from ..recipe import Recipe
 
 
 class AutocastFrame:
@@ -120,7 +120,7 @@ unused_autocast_warning_due = True
 
 
 class _CompiledView:
-    """The autocast stack as ``torch.compile``'d code reads it (``fastcast.dynamo``
+    """The autocast stack as ``torch.compile``'d code reads it (``fastcast.compile``
     substitutes ``traced_*`` for the accessors above while tracing).
 
     ``context`` is a property whose getter is the context variable's own C ``get``:

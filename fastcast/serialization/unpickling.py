@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .pickles import ZIP_MAGIC, AllowList, _clip, escape, inspect_pickle
+from .pickle_model import ZIP_MAGIC, AllowList, _clip, escape, inspect_pickle
 
 
 class _ReadOnly:

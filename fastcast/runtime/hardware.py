@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from .kernels import choice as _kernel_choice
-from .tensor import BLOCKWISE, MXFP8, NVFP4, ROWWISE, TENSORWISE
+from ..kernels import choice as _kernel_choice
+from ..tensor import BLOCKWISE, MXFP8, NVFP4, ROWWISE, TENSORWISE
 
 GEMM_MODES = ("auto", "hardware", "emulate")
 

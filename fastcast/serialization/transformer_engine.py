@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .delayed import BACKWARD, FORWARD, ScalingMeta
-from .pickles import AllowList
+from ..delayed import BACKWARD, FORWARD, ScalingMeta
+from .pickle_model import AllowList
 from .unpickling import TORCH_ALLOW_LIST
 
 TE_RECIPE_MODULE = "transformer_engine.common.recipe"
