@@ -25,7 +25,7 @@ ROWS, COLS = 256, 384
 def _calls() -> dict[str, object]:
     import torch  # noqa: PLC0415 - in the measured process only
 
-    from fastcast.kernels import compiled  # noqa: PLC0415
+    from fastcast.kernels import inductor as compiled  # noqa: PLC0415
 
     torch.set_num_threads(1)  # as the other benchmarks; also steadier on a shared machine
     ops = compiled.ops()

@@ -31,7 +31,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd import Variable
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastcast.kernels import choice, compiled
+from fastcast.kernels import choice
+from fastcast.kernels import inductor as compiled
 from fastcast.runtime import hardware
 
 _GUARD_SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")

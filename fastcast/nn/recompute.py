@@ -22,7 +22,7 @@ How a region is found, without changing torch:
 
 Both are read from torch internals that have been stable since torch 2.1; should they
 change, a recomputation that cannot be matched raises a clear error instead of running
-in another precision (see ``tests/test_recompute.py``).
+in another precision (see ``tests/nn/test_linear.py``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import fastcast as fc
-from fastcast.kernels import choice, compiled
+from fastcast.kernels import choice
+from fastcast.kernels import inductor as compiled
 from fastcast.quantizers.block import BlockScalingQuantizer
 from fastcast.quantizers.mx import MXFP8Quantizer
 from fastcast.quantizers.nvfp4 import NVFP4Quantizer
@@ -133,7 +134,7 @@ def _assert_same(got, want, what="") -> None:
     for name in ("shape", "dtype", "fmt", "block", "block_t"):
         assert getattr(got, name) == getattr(want, name), f"{what}: {name}"
     # The reference leaves a 16-bit NaN's sign to ATen's widening (its scalar path makes
-    # it positive, its vectorised path keeps it: tests/test_kernels.py).
+    # it positive, its vectorised path keeps it: tests/kernels/test_kernels.py).
     from_16bit = want.dtype != torch.float32
     for name in type(want).inner_names:
         _assert_same_tensor(getattr(got, name), getattr(want, name), f"{what}: {name}", from_16bit)

@@ -26,7 +26,7 @@ import fastcast as fc
 from fastcast.delayed import BACKWARD, FORWARD, ScalingMeta, ScalingOrigin
 from fastcast.serialization.extra_state import decode_extra_state, encode_extra_state
 
-FIXTURES = Path(__file__).parent / "fixtures" / "extra_state"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "extra_state"
 MAGIC, HEADER = 0xFCA570, 16
 FMT_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 

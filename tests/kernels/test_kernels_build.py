@@ -24,7 +24,7 @@ from fastcast.kernels import build, choice
 from fastcast.quantizers import tensorwise
 from fastcast.quantizers.tensorwise import CurrentScalingQuantizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUN_SLOW = os.environ.get("FASTCAST_SLOW_TESTS") == "1"
 
 
