@@ -132,7 +132,7 @@ def test_ranges_appear_in_torch_profiler_with_module_names(tracing):
     for pass_ in ("forward", "backward"):
         inner = _inside(by_name[f"fastcast.Linear.{pass_}[2]"], ("fastcast.",))
         assert "fastcast.scaled_mm" in inner and any(
-            n.startswith("fastcast.quantizers.") for n in inner
+            n.startswith("fastcast.quantize.") for n in inner
         ), inner
         assert not any(n.startswith("fastcast.Linear") for n in inner)  # no cross-nesting
     # The autocast scopes are its own enter and exit calls, not the with-body.
