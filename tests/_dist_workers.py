@@ -703,3 +703,145 @@ def _tp_dcp(recipe_name: str, rank: int) -> dict[str, Any]:
 
 SECTIONS["tp"] = section_tp
 SECTIONS["tp_dcp"] = section_tp_dcp
+
+
+# -- section: FSDP2 with the quantized (FP8) all-gather ----------------------------------------
+
+FP8AG_STEPS = 3
+LEAK_STEPS = 20
+
+
+class CountingAllGather:
+    """Wraps ``dist.all_gather_single`` (FSDP2's all-gather, looked up at call time): the
+    bytes each call sends, by phase (``phase`` is set by the training loop)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, int] = {"forward": 0, "backward": 0, "eval": 0}
+        self.phase = "forward"
+        self._orig = dist.all_gather_single
+
+    def __call__(self, output, input, group=None, async_op=False):  # noqa: A002
+        self.sent[self.phase] += input.numel() * input.element_size()
+        return self._orig(output, input, group=group, async_op=async_op)
+
+    def __enter__(self) -> CountingAllGather:
+        dist.all_gather_single = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_gather_single = self._orig
+
+
+def _fp8ag_model(quantized: bool, sharded: bool) -> nn.Module:
+    model = fc.convert(make_mlp(), recipe=fc.Float8CurrentScaling(), quantized_all_gather=quantized)
+    return _fully_shard(model) if sharded else model
+
+
+def _live_storage(held: Any) -> tuple[int, int]:
+    """(live tensors, bytes of their distinct storages) of this process after a gc, but
+    for the tensors in ``held`` (what the test keeps for its comparisons)."""
+    import gc  # noqa: PLC0415
+
+    from torch.utils._pytree import tree_leaves  # noqa: PLC0415
+
+    held = [t for t in tree_leaves(held) if isinstance(t, torch.Tensor)]
+    skip = {id(t) for t in held} | {id(t._base) for t in held if t._base is not None}
+    gc.collect()
+    count, storages = 0, {}
+    for obj in gc.get_objects():
+        if (type(obj) is torch.Tensor or type(obj) is nn.Parameter) and id(obj) not in skip:
+            count += 1
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr(), storage.nbytes()] = storage.nbytes()
+    return count, sum(storages.values())
+
+
+def fp8ag_run(
+    quantized: bool, rank: int | None, world: int, precompute: bool = False
+) -> dict[str, Any]:
+    """Current scaling, SGD for ``LEAK_STEPS`` steps (``rank=None``: one process, whole
+    batch): the first forward's output, the first ``FP8AG_STEPS`` losses and gradients
+    (full tensors) and the parameters after them, the all-gather bytes by phase, the
+    all-reduces per step, and the live tensors/storage after the first and the last step."""
+    from fastcast.distributed.fsdp import precompute_float8_scales  # noqa: PLC0415
+
+    recipe = fc.Float8CurrentScaling()
+    sharded = rank is not None
+    model = _fp8ag_model(quantized, sharded)
+    group = dist.group.WORLD if sharded else None
+    opt = torch.optim.SGD(model.parameters(), lr=LR * world if sharded else LR)
+    res: dict[str, Any] = {"losses": [], "grads": [], "reductions": []}
+    with CountingAllGather() as gathers, CountingAllReduce() as reduces:
+        for step in range(LEAK_STEPS):
+            x, y = global_batch(step % 5, world)
+            if sharded:
+                x, y = local_rows(x, rank), local_rows(y, rank)
+            gathers.phase = "forward" if step == 0 else "later"
+            gathers.sent.setdefault("later", 0)
+            before = len(reduces.calls)
+            with fc.autocast(recipe=recipe, amax_reduction_group=group):
+                out = model(x)
+                loss = loss_fn(out, y, world * LOCAL_BATCH)
+            if step == 0:
+                res["out0"] = out.detach().clone()
+                gathers.phase = "backward"
+            loss.backward()
+            if step < FP8AG_STEPS:
+                res["grads"].append(
+                    {
+                        n: (p.grad.full_tensor() if sharded else p.grad).clone()
+                        for n, p in model.named_parameters()
+                    }
+                )
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if precompute:
+                precompute_float8_scales(model)
+            res["reductions"].append(torch.tensor(reduces.calls[before:]).reshape(-1, 2))
+            res["losses"].append(loss.detach())
+            if step == FP8AG_STEPS - 1:
+                res["params"] = full_params(model)
+            if step == 0:
+                res["live_1"] = torch.tensor(_live_storage(res))
+        res["live_n"] = torch.tensor(_live_storage(res))
+        res["params_last"] = full_params(model)
+        # Evaluation outside autocast, on a fixed input.
+        gathers.phase = "eval"
+        with torch.no_grad():
+            res["eval"] = model(global_batch(7, 1)[0][:8]).detach()
+    res["losses"] = torch.stack(res["losses"][:FP8AG_STEPS])
+    res["bytes"] = dict(gathers.sent)
+    res["weight_types"] = [
+        type(getattr(m.weight, "_local_tensor", m.weight)).__name__ for m in fc_linears(model)
+    ]
+    return res
+
+
+def _fp8ag_refusals() -> dict[str, str]:
+    """fc.convert's errors for quantized_all_gather it cannot do, and whether the model
+    was left as it was."""
+    out = {}
+    for name, recipe in (("delayed", fc.DelayedScaling()), ("none", None)):
+        model = nn.Sequential(nn.Linear(WIDTH, WIDTH))
+        try:
+            fc.convert(model, recipe=recipe, quantized_all_gather=True)
+            out[name] = ""
+        except (ValueError, NotImplementedError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+        out[f"{name}.unchanged"] = str(type(model[0]) is nn.Linear)
+    return out
+
+
+def section_fsdp_fp8(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "fp8": isolated(fp8ag_run, True, rank, world),
+        "hp": isolated(fp8ag_run, False, rank, world),
+        "precompute": isolated(fp8ag_run, True, rank, world, True),
+        "refusals": _fp8ag_refusals(),
+    }
+    if rank == 0:
+        out["reference"] = isolated(fp8ag_run, False, None, world)
+    return out
+
+
+SECTIONS["fsdp_fp8"] = section_fsdp_fp8
