@@ -732,8 +732,10 @@ class CountingAllGather:
         dist.all_gather_single = self._orig
 
 
-def _fp8ag_model(quantized: bool, sharded: bool) -> nn.Module:
-    model = fc.convert(make_mlp(), recipe=fc.Float8CurrentScaling(), quantized_all_gather=quantized)
+def _fp8ag_model(recipe_name: str, quantized: bool, sharded: bool) -> nn.Module:
+    # (A recipe object of its own: the autocast's is another, equal one.)
+    recipe = RECIPES[recipe_name]()
+    model = fc.convert(make_mlp(), recipe=recipe, quantized_all_gather=quantized)
     return _fully_shard(model) if sharded else model
 
 
@@ -757,20 +759,28 @@ def _live_storage(held: Any) -> tuple[int, int]:
 
 
 def fp8ag_run(
-    quantized: bool, rank: int | None, world: int, precompute: bool = False
+    recipe_name: str, quantized: bool, rank: int | None, world: int, precompute: bool = False
 ) -> dict[str, Any]:
-    """Current scaling, SGD for ``LEAK_STEPS`` steps (``rank=None``: one process, whole
+    """SGD for ``LEAK_STEPS`` steps (``rank=None``: one process, whole
     batch): the first forward's output, the first ``FP8AG_STEPS`` losses and gradients
     (full tensors) and the parameters after them, the all-gather bytes by phase, the
     all-reduces per step, and the live tensors/storage after the first and the last step."""
-    from fastcast.distributed.fsdp import precompute_float8_scales  # noqa: PLC0415
+    from fastcast.distributed.fsdp import GatheredFloat8Weight, precompute_float8_scales  # noqa: PLC0415
 
-    recipe = fc.Float8CurrentScaling()
+    recipe = RECIPES[recipe_name]()
     sharded = rank is not None
-    model = _fp8ag_model(quantized, sharded)
+    model = _fp8ag_model(recipe_name, quantized, sharded)
     group = dist.group.WORLD if sharded else None
     opt = torch.optim.SGD(model.parameters(), lr=LR * world if sharded else LR)
     res: dict[str, Any] = {"losses": [], "grads": [], "reductions": []}
+    direct = [0]  # GEMM operands taken from gathered FP8 weights as they are
+    as_operand = GatheredFloat8Weight.quantized
+
+    def counted(self: Any, columnwise: bool) -> Any:
+        direct[0] += 1
+        return as_operand(self, columnwise)
+
+    GatheredFloat8Weight.quantized = counted
     with CountingAllGather() as gathers, CountingAllReduce() as reduces:
         for step in range(LEAK_STEPS):
             x, y = global_batch(step % 5, world)
@@ -809,6 +819,8 @@ def fp8ag_run(
         gathers.phase = "eval"
         with torch.no_grad():
             res["eval"] = model(global_batch(7, 1)[0][:8]).detach()
+    GatheredFloat8Weight.quantized = as_operand
+    res["direct"] = direct[0]
     res["losses"] = torch.stack(res["losses"][:FP8AG_STEPS])
     res["bytes"] = dict(gathers.sent)
     res["weight_types"] = [
@@ -821,7 +833,7 @@ def _fp8ag_refusals() -> dict[str, str]:
     """fc.convert's errors for quantized_all_gather it cannot do, and whether the model
     was left as it was."""
     out = {}
-    for name, recipe in (("delayed", fc.DelayedScaling()), ("none", None)):
+    for name, recipe in (("block", fc.Float8BlockScaling()), ("none", None)):
         model = nn.Sequential(nn.Linear(WIDTH, WIDTH))
         try:
             fc.convert(model, recipe=recipe, quantized_all_gather=True)
@@ -833,15 +845,30 @@ def _fp8ag_refusals() -> dict[str, str]:
 
 
 def section_fsdp_fp8(rank: int, world: int) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "fp8": isolated(fp8ag_run, True, rank, world),
-        "hp": isolated(fp8ag_run, False, rank, world),
-        "precompute": isolated(fp8ag_run, True, rank, world, True),
-        "refusals": _fp8ag_refusals(),
-    }
-    if rank == 0:
-        out["reference"] = isolated(fp8ag_run, False, None, world)
+    out: dict[str, Any] = {"refusals": _fp8ag_refusals()}
+    for name in RECIPES:
+        out[name] = {
+            "fp8": isolated(fp8ag_run, name, True, rank, world),
+            "hp": isolated(fp8ag_run, name, False, rank, world),
+        }
+        if rank == 0:
+            out[name]["reference"] = isolated(fp8ag_run, name, False, None, world)
+    out["current"]["precompute"] = isolated(fp8ag_run, "current", True, rank, world, True)
+    out["delayed"]["no_group"] = isolated(_delayed_without_group, rank, world)
     return out
+
+
+def _delayed_without_group(rank: int, world: int) -> str:
+    """DelayedScaling's quantized gather under an autocast without a group: the error."""
+    recipe = RECIPES["delayed"]()
+    model = _fp8ag_model("delayed", True, True)
+    x = local_rows(global_batch(0, world)[0], rank)
+    try:
+        with fc.autocast(recipe=recipe):
+            model(x)
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 SECTIONS["fsdp_fp8"] = section_fsdp_fp8

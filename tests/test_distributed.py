@@ -400,17 +400,26 @@ def fsdp_fp8(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return spawn("fsdp_fp8", tmp_path_factory.mktemp("fsdp_fp8"))
 
 
-def test_fsdp_fp8_all_gather_is_used(fsdp_fp8):
+FP8AG_RECIPES = ["delayed", "current"]
+
+
+@pytest.mark.parametrize("recipe", FP8AG_RECIPES)
+def test_fsdp_fp8_all_gather_is_used(fsdp_fp8, recipe):
     for result in fsdp_fp8:
-        assert result["fp8"]["weight_types"] == ["FSDPFloat8Weight"] * 3
-        assert result["hp"]["weight_types"] == ["Tensor"] * 3
+        assert result[recipe]["fp8"]["weight_types"] == ["FSDPFloat8Weight"] * 3
+        assert result[recipe]["hp"]["weight_types"] == ["Tensor"] * 3
+        # Every forward GEMM under autocast took its gathered FP8 weight as it is (3 layers,
+        # 20 steps); evaluation outside autocast did not.
+        assert result[recipe]["fp8"]["direct"] == 3 * workers.LEAK_STEPS
+        assert result[recipe]["hp"]["direct"] == 0
 
 
-def test_fsdp_fp8_all_gather_matches_high_precision_gather_bit_for_bit(fsdp_fp8):
+@pytest.mark.parametrize("recipe", FP8AG_RECIPES)
+def test_fsdp_fp8_all_gather_matches_high_precision_gather_bit_for_bit(fsdp_fp8, recipe):
     # Gathering the FP8 codes and scale gives every rank what quantizing the gathered
     # high-precision weight gives: the same outputs, losses, gradients and parameters.
     for result in fsdp_fp8:
-        fp8, hp = result["fp8"], result["hp"]
+        fp8, hp = result[recipe]["fp8"], result[recipe]["hp"]
         assert torch.equal(fp8["out0"], hp["out0"])
         assert torch.equal(fp8["losses"], hp["losses"])
         for step, (g8, gh) in enumerate(zip(fp8["grads"], hp["grads"])):
@@ -420,58 +429,65 @@ def test_fsdp_fp8_all_gather_matches_high_precision_gather_bit_for_bit(fsdp_fp8)
             assert torch.equal(fp8["params"][name], hp["params"][name]), name
 
 
-def test_fsdp_fp8_all_gather_matches_single_process(fsdp_fp8):
-    ref = fsdp_fp8[0]["reference"]
+@pytest.mark.parametrize("recipe", FP8AG_RECIPES)
+def test_fsdp_fp8_all_gather_matches_single_process(fsdp_fp8, recipe):
+    ref = fsdp_fp8[0][recipe]["reference"]
+    runs = [r[recipe]["fp8"] for r in fsdp_fp8]
     # First forward: each rank's rows are the single process's rows, bit for bit (same
     # weight scale and codes, input amax reduced over the ranks).
-    for rank, result in enumerate(fsdp_fp8):
+    for rank, run in enumerate(runs):
         rows = ref["out0"][rank * workers.LOCAL_BATCH : (rank + 1) * workers.LOCAL_BATCH]
-        assert torch.equal(result["fp8"]["out0"], rows), rank
+        assert torch.equal(run["out0"], rows), rank
     # Losses, gradients, parameters: the ranks' partial sums and FSDP2's reduce-scatter
     # add in another order than one GEMM over the whole batch: FP32 rounding.
-    losses = sum(r["fp8"]["losses"] for r in fsdp_fp8)
+    losses = sum(run["losses"] for run in runs)
     torch.testing.assert_close(losses, ref["losses"], rtol=1e-6, atol=0)
-    for step, (grads, ref_grads) in enumerate(zip(fsdp_fp8[0]["fp8"]["grads"], ref["grads"])):
+    for step, (grads, ref_grads) in enumerate(zip(runs[0]["grads"], ref["grads"])):
         for name, g in ref_grads.items():
             # FSDP2 averages the ranks' gradients; each rank's is its share of the sum.
             torch.testing.assert_close(
                 grads[name] * WORLD, g, rtol=1e-5, atol=1e-7, msg=f"step {step} {name}"
             )
     for name, p in ref["params"].items():
-        torch.testing.assert_close(fsdp_fp8[0]["fp8"]["params"][name], p, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(runs[0]["params"][name], p, rtol=1e-5, atol=1e-7)
 
 
-def test_fsdp_fp8_all_gather_bytes(fsdp_fp8):
+@pytest.mark.parametrize("recipe", FP8AG_RECIPES)
+def test_fsdp_fp8_all_gather_bytes(fsdp_fp8, recipe):
     for result in fsdp_fp8:
-        fp8, hp = result["fp8"]["bytes"], result["hp"]["bytes"]
+        fp8, hp = result[recipe]["fp8"]["bytes"], result[recipe]["hp"]["bytes"]
         # The forward gathers of one step (the biases still go in FP32) ...
         assert fp8["forward"] <= 0.27 * hp["forward"], (fp8, hp)
         # ... and backward's re-gather (reshard_after_forward) is FP8 as well.
         assert fp8["backward"] <= 0.27 * hp["backward"], (fp8, hp)
         # Weights alone: 1 byte per element against 4.
-        weights = sum(p.numel() for n, p in result["hp"]["params"].items() if "weight" in n)
-        biases = sum(p.numel() for n, p in result["hp"]["params"].items() if "bias" in n)
+        params = result[recipe]["hp"]["params"]
+        weights = sum(p.numel() for n, p in params.items() if "weight" in n)
+        biases = sum(p.numel() for n, p in params.items() if "bias" in n)
         assert hp["forward"] == 4 * (weights + biases) // WORLD
         assert fp8["forward"] == (weights + 4 * biases) // WORLD
 
 
-def test_fsdp_fp8_all_gather_no_leak(fsdp_fp8):
+@pytest.mark.parametrize("recipe", FP8AG_RECIPES)
+def test_fsdp_fp8_all_gather_no_leak(fsdp_fp8, recipe):
     # Live tensors and the bytes of their storages after step 20 equal those after step 1.
     for result in fsdp_fp8:
-        for run in ("fp8", "hp", "precompute"):
-            assert torch.equal(result[run]["live_n"], result[run]["live_1"]), (
-                run,
-                result[run]["live_1"],
-                result[run]["live_n"],
-            )
+        for name, run in result[recipe].items():
+            if isinstance(run, dict):
+                assert torch.equal(run["live_n"], run["live_1"]), (
+                    name,
+                    run["live_1"],
+                    run["live_n"],
+                )
 
 
-def test_fsdp_fp8_all_gather_outside_autocast(fsdp_fp8):
+@pytest.mark.parametrize("recipe", ["current"])
+def test_fsdp_fp8_all_gather_outside_autocast(fsdp_fp8, recipe):
     # Outside autocast the layers compute with the gathered weights rounded to FP8 (the
     # gathered format is fixed at conversion): an independent float64 model with the
     # weights cast to E4M3 by torch, scale 448 / amax, gives the same outputs.
     for result in fsdp_fp8:
-        fp8 = result["fp8"]
+        fp8 = result[recipe]["fp8"]
         params = fp8["params_last"]
         x = workers.global_batch(7, 1)[0][:8].double()
         h, h_hp = x, x
@@ -489,7 +505,7 @@ def test_fsdp_fp8_all_gather_outside_autocast(fsdp_fp8):
 def test_fsdp_fp8_precompute_scales_one_all_reduce(fsdp_fp8):
     n_layers = 3
     for result in fsdp_fp8:
-        pre, auto = result["precompute"], result["fp8"]
+        pre, auto = result["current"]["precompute"], result["current"]["fp8"]
         # The same training, bit for bit ...
         assert torch.equal(pre["losses"], auto["losses"])
         for name in auto["params"]:
@@ -504,7 +520,9 @@ def test_fsdp_fp8_precompute_scales_one_all_reduce(fsdp_fp8):
 
 def test_fsdp_fp8_all_gather_refusals(fsdp_fp8):
     refusals = fsdp_fp8[0]["refusals"]
-    assert refusals["delayed"].startswith("NotImplementedError: fastcast.convert: quantized_all")
-    assert "Float8CurrentScaling" in refusals["delayed"]
+    assert refusals["block"].startswith("NotImplementedError: fastcast.convert: quantized_all")
+    assert "Float8BlockScaling" in refusals["block"]
     assert refusals["none"].startswith("ValueError: fastcast.convert: quantized_all_gather=True")
-    assert refusals["delayed.unchanged"] == refusals["none.unchanged"] == "True"
+    assert refusals["block.unchanged"] == refusals["none.unchanged"] == "True"
+    for result in fsdp_fp8:
+        assert "needs fc.autocast(amax_reduction_group=...)" in result["delayed"]["no_group"]

@@ -41,10 +41,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from ..delayed import FORWARD
 from ..quantize.base import scale_from_amax, tensor_amax, transposed_codes
 from ..quantize.tensorwise import CurrentScalingQuantizer, quantize_with_scale
-from ..recipe import ELEMENT_MAX, Float8CurrentScaling, Recipe
-from ..state import optimizer_steps
+from ..recipe import ELEMENT_MAX, DelayedScaling, Float8CurrentScaling, Recipe
+from ..schemes import scheme_for
+from ..state import get_stack, optimizer_steps
 from ..tensor import FP8_DTYPES, WHOLE, Float8Tensor
 from .amax import all_reduce_max
 
@@ -83,11 +85,18 @@ _KEEP_WRAPPED = {
 _VIEWS = (aten.as_strided.default, aten.view.default, aten.detach.default, aten.alias.default)
 
 
-def weight_quantizer(recipe: Recipe) -> CurrentScalingQuantizer:
+def weight_format(recipe: Recipe) -> str:
+    """The FP8 format of ``recipe``'s weights (a per-tensor recipe)."""
+    if isinstance(recipe, DelayedScaling):
+        return recipe.fp8_format.fwd
+    return recipe.fp8_format.for_role("weight")
+
+
+def weight_quantizer(recipe: Float8CurrentScaling) -> CurrentScalingQuantizer:
     """The weight quantizer ``recipe``'s scheme uses on a layer that is not tensor
     parallel; the gathered weight serves GEMMs whose quantizer equals it."""
     return CurrentScalingQuantizer(
-        fmt=recipe.fp8_format.for_role("weight"),
+        fmt=weight_format(recipe),
         power_2_scales=recipe.use_power_2_scales,
         amax_epsilon=recipe.amax_epsilon,
     )
@@ -98,14 +107,14 @@ class FSDPFloat8Weight(torch.Tensor):
 
     It behaves as the tensor it wraps (every op runs on that tensor; the ops FSDP2 uses to
     shard and copy it keep the wrapper), plus FSDP2's ``fsdp_pre_all_gather`` /
-    ``fsdp_post_all_gather``. ``quantizer`` is the per-tensor weight quantizer gathered for.
+    ``fsdp_post_all_gather``. ``recipe`` is the per-tensor recipe gathered for.
     """
 
     _tensor: torch.Tensor
-    quantizer: CurrentScalingQuantizer
+    recipe: Recipe
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, quantizer: CurrentScalingQuantizer) -> FSDPFloat8Weight:
+    def __new__(cls, tensor: torch.Tensor, recipe: Recipe) -> FSDPFloat8Weight:
         return torch.Tensor._make_wrapper_subclass(
             cls,
             tensor.size(),
@@ -117,24 +126,28 @@ class FSDPFloat8Weight(torch.Tensor):
             requires_grad=tensor.requires_grad,
         )
 
-    def __init__(self, tensor: torch.Tensor, quantizer: CurrentScalingQuantizer) -> None:
+    def __init__(self, tensor: torch.Tensor, recipe: Recipe) -> None:
         self._tensor = tensor
-        self.quantizer = quantizer
-        # (scale, (version, optimizer steps)) of the last gather: backward's re-gather of
-        # an unchanged weight reuses it, so one reduction per weight and step.
-        self._scale: tuple[torch.Tensor, tuple[int, int]] | None = None
+        self.recipe = recipe
+        # (scale, (version, optimizer steps), quantizer) of the last gather: backward's
+        # re-gather of the unchanged weight casts it with the forward's scale again.
+        self._kept: tuple[torch.Tensor, tuple[int, int], Any] | None = None
 
     def __repr__(self) -> str:
-        return f"FSDPFloat8Weight({self._tensor!r}, fmt={self.quantizer.fmt})"
+        return f"FSDPFloat8Weight({self._tensor!r}, recipe={self.recipe!r})"
+
+    @property
+    def fmt(self) -> str:
+        return weight_format(self.recipe)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        quantizer = None
+        recipe = None
 
         def unwrap(t: Any) -> Any:
-            nonlocal quantizer
+            nonlocal recipe
             if isinstance(t, cls):
-                quantizer = t.quantizer
+                recipe = t.recipe
                 return t._tensor
             return t
 
@@ -143,33 +156,53 @@ class FSDPFloat8Weight(torch.Tensor):
             return out
         if func in (aten.copy_.default, aten.zero_.default):  # in place: the wrapper itself
             return args[0]
-        return tree_map(lambda t: cls(t, quantizer) if isinstance(t, torch.Tensor) else t, out)
+        return tree_map(lambda t: cls(t, recipe) if isinstance(t, torch.Tensor) else t, out)
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return ["_tensor"], self.quantizer
+        return ["_tensor"], self.recipe
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict, quantizer: Any, size: Any, stride: Any) -> Any:
-        return FSDPFloat8Weight(inner["_tensor"], quantizer)
+    def __tensor_unflatten__(inner: dict, recipe: Any, size: Any, stride: Any) -> Any:
+        return FSDPFloat8Weight(inner["_tensor"], recipe)
 
     # -- FSDP2's extension hooks ---------------------------------------------------------
-    def _gather_scale(self, group: Any) -> torch.Tensor:
-        """The scale of the whole weight this shard belongs to (see the module docstring)."""
-        key = (self._tensor._version, optimizer_steps(install=True))
-        kept = self._scale
-        if kept is not None and kept[1] == key:
-            return kept[0]
+    def _current_scale(self, group: Any) -> torch.Tensor:
+        """Current scaling: the scale of the whole weight this shard belongs to."""
         amax = tensor_amax(self._tensor)
         all_reduce_max(amax, group)
-        scale = self._scale_from(amax)
-        self._scale = (scale, key)
-        return scale
+        return self._scale_from(amax)
 
     def _scale_from(self, amax: torch.Tensor) -> torch.Tensor:
-        q = self.quantizer
+        recipe = self.recipe
         return scale_from_amax(
-            amax, ELEMENT_MAX[q.fmt], power_2=q.power_2_scales, epsilon=q.amax_epsilon
+            amax,
+            ELEMENT_MAX[self.fmt],
+            power_2=recipe.use_power_2_scales,
+            epsilon=recipe.amax_epsilon,
         )
+
+    def _delayed(self, module: Any, mesh: Any) -> tuple[torch.Tensor, Any, Float8Tensor]:
+        """Delayed scaling in a forward: under an autocast with this recipe, the module's
+        own weight quantizer (its scale from the history; the shard's amax recorded,
+        max-reduced over the autocast's group when it exits, as the whole weight's would
+        be). Anywhere else the module's current weight scale, nothing recorded."""
+        frame = get_stack()[0]
+        if frame.enabled and frame.recipe == self.recipe:
+            if frame.group is None and mesh.size() > 1:
+                raise ValueError(
+                    "fastcast: DelayedScaling with quantized_all_gather needs "
+                    "fc.autocast(amax_reduction_group=...) over the FSDP ranks: each rank "
+                    "records its shard's amax, and only the reduction makes it the weight's"
+                )
+            plan = module._plan
+            if plan is None or not plan.matches(frame):
+                scheme = scheme_for(frame.recipe)
+                plan = module._plan = scheme.plan(frame, module._metas, self._tensor.device)
+            quantizer = plan.weight_q
+            scale = quantizer.scale.clone()  # the scale it casts with (updated in place later)
+            return scale, quantizer, quantizer.quantize(self._tensor)
+        scale = module._metas[FORWARD].scale_views[1].clone()
+        return scale, None, quantize_with_scale(self._tensor, scale, self.fmt, True, False)
 
     def fsdp_pre_all_gather(
         self,
@@ -179,14 +212,31 @@ class FSDPFloat8Weight(torch.Tensor):
         module: nn.Module,
         mp_policy: Any,
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
-        scale = self._gather_scale(mesh.get_group())
-        q = quantize_with_scale(self._tensor, scale, self.quantizer.fmt, True, False)
+        delayed = isinstance(self.recipe, DelayedScaling)
+        key = (self._tensor._version, optimizer_steps(install=True))
+        kept = self._kept
+        # The weight is unchanged since the last gather: current scaling's scale is the
+        # same (no reduction needed); delayed scaling reuses it in backward's re-gather
+        # (the forward's scale, whatever the autocast's exit did to the history since).
+        if (
+            kept is not None
+            and kept[1] == key
+            and (not delayed or torch._C._current_graph_task_id() != -1)
+        ):
+            scale, quantizer = kept[0], kept[2]
+            q = quantize_with_scale(self._tensor, scale, self.fmt, True, False)
+        elif delayed:
+            scale, quantizer, q = self._delayed(module, mesh)
+        else:
+            scale, quantizer = self._current_scale(mesh.get_group()), weight_quantizer(self.recipe)
+            q = quantize_with_scale(self._tensor, scale, self.fmt, True, False)
+        self._kept = (scale, key, quantizer)
         codes = q.data.view(torch.uint8)  # bytes: every backend gathers them
         # Uneven sharding: FSDP2 wants every rank's input at the padded shard size.
         rows = -(-outer_size[0] // mesh.size())
         if codes.shape[0] != rows:
             codes = F.pad(codes, (0, 0, 0, rows - codes.shape[0]))
-        return (codes,), (q.scale_inv, self.quantizer)
+        return (codes,), (q.scale_inv, quantizer, self.fmt)
 
     def fsdp_post_all_gather(
         self,
@@ -197,29 +247,32 @@ class FSDPFloat8Weight(torch.Tensor):
         out: torch.Tensor | None = None,
     ) -> Any:
         (codes,) = all_gather_outputs
-        scale_inv, quantizer = metadata
+        scale_inv, quantizer, fmt = metadata
         if out is not None:  # later gathers: the same buffers, a new scale
-            out._scale_inv = scale_inv
+            out._scale_inv, out.quantizer = scale_inv, quantizer
             return None
-        gathered = GatheredFloat8Weight(codes, scale_inv, quantizer, self.dtype)
+        gathered = GatheredFloat8Weight(codes, scale_inv, quantizer, fmt, self.dtype)
         return gathered, (codes,)
 
 
 class GatheredFloat8Weight(torch.Tensor):
     """The unsharded weight FSDP2 builds from the gathered FP8 codes (``[out, in]`` bytes,
     a view of its all-gather buffer) and the scale's inverse. ``quantized(columnwise)`` is
-    the ``Float8Tensor`` the GEMMs take; any other use sees ``dequantize()``."""
+    the ``Float8Tensor`` the GEMMs take; any other use sees ``dequantize()``.
+    ``quantizer`` is the quantizer it was cast for (None: none a GEMM would use)."""
 
     _codes: torch.Tensor
     _scale_inv: torch.Tensor
-    quantizer: CurrentScalingQuantizer
+    quantizer: Any
+    fmt: str
 
     @staticmethod
     def __new__(
         cls,
         codes: torch.Tensor,
         scale_inv: torch.Tensor,
-        quantizer: CurrentScalingQuantizer,
+        quantizer: Any,
+        fmt: str,
         dtype: torch.dtype,
     ) -> GatheredFloat8Weight:
         return torch.Tensor._make_wrapper_subclass(
@@ -236,26 +289,28 @@ class GatheredFloat8Weight(torch.Tensor):
         self,
         codes: torch.Tensor,
         scale_inv: torch.Tensor,
-        quantizer: CurrentScalingQuantizer,
+        quantizer: Any,
+        fmt: str,
         dtype: torch.dtype,
     ) -> None:
         self._codes = codes
         self._scale_inv = scale_inv
         self.quantizer = quantizer
+        self.fmt = fmt
 
     def __repr__(self) -> str:
-        return f"GatheredFloat8Weight(shape={tuple(self.shape)}, fmt={self.quantizer.fmt})"
+        return f"GatheredFloat8Weight(shape={tuple(self.shape)}, fmt={self.fmt})"
 
     def dequantize(self) -> torch.Tensor:
-        fp8 = self._codes.view(FP8_DTYPES[self.quantizer.fmt])
+        fp8 = self._codes.view(FP8_DTYPES[self.fmt])
         return (fp8.float() * self._scale_inv).to(self.dtype)
 
     def quantized(self, columnwise: bool) -> Float8Tensor:
         """The gathered weight as the GEMMs' operand: what ``quantizer`` makes of the
         whole high-precision weight (same scale, same codes)."""
-        data = self._codes.view(FP8_DTYPES[self.quantizer.fmt])
+        data = self._codes.view(FP8_DTYPES[self.fmt])
         return Float8Tensor.assemble(
-            self.quantizer.fmt,
+            self.fmt,
             self.shape,
             self.dtype,
             data,
@@ -266,36 +321,38 @@ class GatheredFloat8Weight(torch.Tensor):
             WHOLE,
         )
 
+    def fc_quantized(self, quantizer: Any, columnwise: bool) -> Float8Tensor | None:
+        """The GEMM operand when this weight was cast for ``quantizer`` (None otherwise:
+        the caller quantizes it, and so sees the dequantized weight)."""
+        if self.quantizer is None or quantizer != self.quantizer:
+            return None
+        return self.quantized(columnwise)
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func in _VIEWS:
             # FSDP2 views the gathered buffer as the parameter: the codes follow.
             this = args[0]
             codes = func(this._codes, *args[1:], **(kwargs or {}))
-            return cls(codes, this._scale_inv, this.quantizer, this.dtype)
+            return cls(codes, this._scale_inv, this.quantizer, this.fmt, this.dtype)
         # Anything else computes with the dequantized weight (in high precision).
         unwrap = lambda t: t.dequantize() if isinstance(t, cls) else t  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
-    def fc_quantized(self, quantizer: Any, columnwise: bool) -> Float8Tensor | None:
-        """The GEMM operand when this weight was gathered for ``quantizer`` (None
-        otherwise: the caller quantizes it, and so sees the dequantized weight)."""
-        return self.quantized(columnwise) if quantizer == self.quantizer else None
-
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return ["_codes", "_scale_inv"], (self.quantizer, self.dtype)
+        return ["_codes", "_scale_inv"], (self.quantizer, self.fmt, self.dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: Any, size: Any, stride: Any) -> Any:
-        quantizer, dtype = meta
-        return GatheredFloat8Weight(inner["_codes"], inner["_scale_inv"], quantizer, dtype)
+        return GatheredFloat8Weight(inner["_codes"], inner["_scale_inv"], *meta)
 
 
 def check_recipe(recipe: Recipe | None) -> None:
     """A clear error for a recipe whose all-gather cannot be quantized (yet)."""
-    if not isinstance(recipe, Float8CurrentScaling):
+    if not isinstance(recipe, (Float8CurrentScaling, DelayedScaling)):
         raise NotImplementedError(
-            f"fastcast.convert: quantized_all_gather supports Float8CurrentScaling only, got "
+            f"fastcast.convert: quantized_all_gather supports the per-tensor recipes "
+            f"(Float8CurrentScaling, DelayedScaling) only, got "
             f"{type(recipe).__name__}; pass quantized_all_gather=False (FSDP2 then gathers "
             "the weights in high precision)"
         )
@@ -306,7 +363,6 @@ def enable_quantized_all_gather(layers: Iterable[Any], recipe: Recipe) -> int:
     ``FSDPFloat8Weight`` for ``recipe``; the number wrapped. ``fc.convert(...,
     quantized_all_gather=True)`` calls this; call ``fully_shard`` after it."""
     check_recipe(recipe)
-    quantizer = weight_quantizer(recipe)
     count = 0
     for layer in layers:
         weight = layer._parameters["weight"]
@@ -317,7 +373,7 @@ def enable_quantized_all_gather(layers: Iterable[Any], recipe: Recipe) -> int:
                 f"fastcast.convert: quantized_all_gather: {layer._where()} has a "
                 f"{type(weight).__name__} weight; convert before fully_shard or parallelize_module"
             )
-        wrapped = FSDPFloat8Weight(weight.data, quantizer)
+        wrapped = FSDPFloat8Weight(weight.data, recipe)
         layer._parameters["weight"] = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
         layer._weight_cache.clear()
         count += 1
@@ -326,13 +382,14 @@ def enable_quantized_all_gather(layers: Iterable[Any], recipe: Recipe) -> int:
 
 @torch.no_grad()
 def precompute_float8_scales(module: nn.Module) -> None:
-    """Every FSDP2-sharded ``FSDPFloat8Weight`` below ``module``: the scales of the next
-    all-gathers, from one all-reduce of all their amaxes (per process group). Call it
-    after the optimizer step; without it each weight reduces its own amax at its gather."""
+    """Every FSDP2-sharded ``FSDPFloat8Weight`` below ``module`` (current scaling): the
+    scales of the next all-gathers, from one all-reduce of all their amaxes (per process
+    group). Call it after the optimizer step; without it each weight reduces its own amax
+    at its gather. (Delayed scaling needs none: its amaxes go with the autocast's.)"""
     groups: dict[Any, list[FSDPFloat8Weight]] = {}
     for param in module.parameters():
         local = getattr(param, "_local_tensor", None)
-        if isinstance(local, FSDPFloat8Weight):
+        if isinstance(local, FSDPFloat8Weight) and isinstance(local.recipe, Float8CurrentScaling):
             groups.setdefault(param.device_mesh.get_group(), []).append(local)
     for group, weights in groups.items():
         amaxes = torch.stack([tensor_amax(w._tensor) for w in weights])
@@ -340,4 +397,5 @@ def precompute_float8_scales(module: nn.Module) -> None:
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
         steps = optimizer_steps(install=True)
         for w, amax in zip(weights, amaxes):
-            w._scale = (w._scale_from(amax), (w._tensor._version, steps))
+            key = (w._tensor._version, steps)
+            w._kept = (w._scale_from(amax), key, weight_quantizer(w.recipe))
