@@ -470,15 +470,20 @@ def test_fsdp_fp8_all_gather_bytes(fsdp_fp8, recipe):
 
 @pytest.mark.parametrize("recipe", FP8AG_RECIPES)
 def test_fsdp_fp8_all_gather_no_leak(fsdp_fp8, recipe):
-    # Live tensors and the bytes of their storages after step 20 equal those after step 1.
+    # After steps 1, 2, 5, 10, 15 and 20: the same bytes of live storage as after step 1, and the
+    # same number of live tensors (give or take one transient tensor that gc sometimes
+    # finds mid-flight, in the high-precision runs as well; a leak of one per step would
+    # show as a trend).
     for result in fsdp_fp8:
         for name, run in result[recipe].items():
-            if isinstance(run, dict):
-                assert torch.equal(run["live_n"], run["live_1"]), (
-                    name,
-                    run["live_1"],
-                    run["live_n"],
-                )
+            if not isinstance(run, dict):
+                continue
+            counts = [int(t[0]) for t in run["live"]]
+            nbytes = [int(t[1]) for t in run["live"]]
+            assert len(counts) == len(workers.LIVE_AFTER)
+            assert nbytes == [nbytes[0]] * len(nbytes), (name, nbytes)
+            assert max(counts) <= counts[0] + 1 and min(counts) >= counts[0], (name, counts)
+            assert sorted(counts)[len(counts) // 2] == counts[0], (name, counts)
 
 
 @pytest.mark.parametrize("recipe", ["current"])
@@ -526,3 +531,17 @@ def test_fsdp_fp8_all_gather_refusals(fsdp_fp8):
     assert refusals["block.unchanged"] == refusals["none.unchanged"] == "True"
     for result in fsdp_fp8:
         assert "needs fc.autocast(amax_reduction_group=...)" in result["delayed"]["no_group"]
+
+
+def test_fsdp_fp8_all_gather_dcp(fsdp_fp8):
+    # The state dict holds plain shards (no fastcast class in the checkpoint); DCP loads
+    # it back into a fresh FP8-gathering model (same forward, bit for bit) and, resharded,
+    # into one plain model (same parameters).
+    for result in fsdp_fp8:
+        dcp_run = result["dcp"]
+        assert dcp_run["local_types"] == ["Tensor"]
+        assert dcp_run["loaded_types"] == ["FSDPFloat8Weight"] * 3
+        assert torch.equal(dcp_run["loaded"], dcp_run["saved"])
+    ref = fsdp_fp8[0]["dcp"]
+    for name, p in ref["saved_params"].items():
+        assert torch.equal(ref["single_params"][name], p), name

@@ -375,9 +375,36 @@ def enable_quantized_all_gather(layers: Iterable[Any], recipe: Recipe) -> int:
             )
         wrapped = FSDPFloat8Weight(weight.data, recipe)
         layer._parameters["weight"] = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
+        if not getattr(layer, "_fc_plain_state", False):
+            layer.register_state_dict_post_hook(plain_weight_in_state_dict)
+            layer._fc_plain_state = True
         layer._weight_cache.clear()
         count += 1
     return count
+
+
+def plain_weight_in_state_dict(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """State-dict post-hook of a layer with an ``FSDPFloat8Weight``: its state dict holds
+    the plain high-precision weight (a DTensor of plain shards under FSDP2), so that
+    checkpoints load anywhere (``torch.load(weights_only=True)``, DCP, unconverted models)."""
+    key = prefix + "weight"
+    weight = state_dict.get(key)
+    if isinstance(weight, FSDPFloat8Weight):
+        state_dict[key] = weight._tensor.detach()
+    elif isinstance(getattr(weight, "_local_tensor", None), FSDPFloat8Weight):
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+        local = weight._local_tensor._tensor.detach()
+        state_dict[key] = DTensor.from_local(
+            local,
+            weight.device_mesh,
+            weight.placements,
+            run_check=False,
+            shape=weight.shape,
+            stride=weight.stride(),
+        )
 
 
 @torch.no_grad()
