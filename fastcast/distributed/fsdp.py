@@ -251,7 +251,8 @@ class FSDPFloat8Weight(torch.Tensor):
         if out is not None:  # later gathers: the same buffers, a new scale
             out._scale_inv, out.quantizer = scale_inv, quantizer
             return None
-        gathered = GatheredFloat8Weight(codes, scale_inv, quantizer, fmt, self.dtype)
+        # The dtype FSDP2's mixed precision gives the unsharded parameters (bf16, say).
+        gathered = GatheredFloat8Weight(codes, scale_inv, quantizer, fmt, param_dtype)
         return gathered, (codes,)
 
 
