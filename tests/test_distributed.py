@@ -470,20 +470,14 @@ def test_fsdp_fp8_all_gather_bytes(fsdp_fp8, recipe):
 
 @pytest.mark.parametrize("recipe", FP8AG_RECIPES)
 def test_fsdp_fp8_all_gather_no_leak(fsdp_fp8, recipe):
-    # After steps 1, 2, 5, 10, 15 and 20: the same bytes of live storage as after step 1, and the
-    # same number of live tensors (give or take one transient tensor that gc sometimes
-    # finds mid-flight, in the high-precision runs as well; a leak of one per step would
-    # show as a trend).
+    # After steps 10 and 20: the same number of live tensors and bytes of live storage as
+    # after step 1 (each the least of two samples, see _live_storage).
     for result in fsdp_fp8:
         for name, run in result[recipe].items():
-            if not isinstance(run, dict):
-                continue
-            counts = [int(t[0]) for t in run["live"]]
-            nbytes = [int(t[1]) for t in run["live"]]
-            assert len(counts) == len(workers.LIVE_AFTER)
-            assert nbytes == [nbytes[0]] * len(nbytes), (name, nbytes)
-            assert max(counts) <= counts[0] + 1 and min(counts) >= counts[0], (name, counts)
-            assert sorted(counts)[len(counts) // 2] == counts[0], (name, counts)
+            if isinstance(run, dict) and "live" in run:
+                live = [tuple(t.tolist()) for t in run["live"]]
+                assert len(live) == len(workers.LIVE_AFTER)
+                assert live == [live[0]] * len(live), (name, live)
 
 
 @pytest.mark.parametrize("recipe", ["current"])
@@ -545,3 +539,15 @@ def test_fsdp_fp8_all_gather_dcp(fsdp_fp8):
     ref = fsdp_fp8[0]["dcp"]
     for name, p in ref["saved_params"].items():
         assert torch.equal(ref["single_params"][name], p), name
+
+
+@pytest.mark.parametrize("recipe", FP8AG_RECIPES)
+def test_fsdp_fp8_all_gather_hugging_face_llama(fsdp_fp8, recipe):
+    # A tiny Llama (8 fc.Linear, lm_head included) against one process on all sequences:
+    # within FP32 rounding (the ranks' losses add up to its loss).
+    ref = fsdp_fp8[0][recipe]["llama"]["reference"]
+    losses = sum(r[recipe]["llama"]["fp8"]["losses"] for r in fsdp_fp8)
+    torch.testing.assert_close(losses, ref["losses"], rtol=1e-5, atol=0)
+    for name, p in ref["params"].items():
+        got = fsdp_fp8[0][recipe]["llama"]["fp8"]["params"][name]
+        torch.testing.assert_close(got, p, rtol=1e-5, atol=1e-6, msg=name)
