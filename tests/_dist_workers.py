@@ -862,6 +862,11 @@ def section_fsdp_fp8(rank: int, world: int) -> dict[str, Any]:
     out["delayed"]["no_group"] = isolated(_delayed_without_group, rank, world)
     out["dcp"] = isolated(_fp8ag_dcp, rank, world)
     for name in RECIPES:
+        out[name]["variants"] = {
+            v: isolated(_fp8ag_variant, name, v, rank, world)
+            for v in ("plain", "fp8_no_reshard", "fp8_checkpointed")
+        }
+    for name in RECIPES:
         out[name]["llama"] = {"fp8": isolated(fp8ag_llama, name, True, rank, world)}
         if rank == 0:
             out[name]["llama"]["reference"] = isolated(fp8ag_llama, name, False, None, world)
@@ -911,6 +916,58 @@ def fp8ag_llama(recipe_name: str, quantized: bool, rank: int | None, world: int)
         with fc.autocast(recipe=recipe, amax_reduction_group=group):
             # (labels are shifted by one inside: 15 predicted tokens per sequence)
             loss = model(input_ids=ids, labels=ids, num_items_in_batch=2 * world * 15).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return {"losses": torch.stack(losses), "params": full_params(model)}
+
+
+class _CheckpointedPair(nn.Module):
+    """Two fc.Linear with a ReLU between, optionally under activation checkpointing."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.checkpointed = checkpointed
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
+
+            return checkpoint(self._run, x, use_reentrant=False)
+        return self._run(x)
+
+
+def _fp8ag_variant(recipe_name: str, variant: str, rank: int, world: int) -> dict[str, Any]:
+    """Two pairs of fc.Linear, each pair ``fully_shard``-ed, 3 SGD steps: ``plain`` (the
+    high-precision gather), ``fp8_no_reshard`` (FP8 gather, ``reshard_after_forward=False``:
+    no re-gather in backward), ``fp8_checkpointed`` (FP8 gather, each pair under
+    activation checkpointing: the recomputation uses the re-gathered weight)."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    recipe = RECIPES[recipe_name]()
+    torch.manual_seed(5)
+    checkpointed = variant == "fp8_checkpointed"
+    model = fc.convert(
+        nn.Sequential(_CheckpointedPair(checkpointed), _CheckpointedPair(checkpointed)),
+        recipe=recipe,
+        quantized_all_gather=variant != "plain",
+    )
+    mesh = init_device_mesh("cpu", (world,))
+    for pair in model:
+        fully_shard(pair, mesh=mesh, reshard_after_forward=variant != "fp8_no_reshard")
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(FP8AG_STEPS):
+        x, y = (local_rows(t, rank) for t in global_batch(step, world))
+        with fc.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+            loss = (model(x)[:, :32] - y).square().sum() / (world * LOCAL_BATCH)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -551,3 +551,16 @@ def test_fsdp_fp8_all_gather_hugging_face_llama(fsdp_fp8, recipe):
     for name, p in ref["params"].items():
         got = fsdp_fp8[0][recipe]["llama"]["fp8"]["params"][name]
         torch.testing.assert_close(got, p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("recipe", FP8AG_RECIPES)
+@pytest.mark.parametrize("variant", ["fp8_no_reshard", "fp8_checkpointed"])
+def test_fsdp_fp8_all_gather_variants(fsdp_fp8, recipe, variant):
+    # reshard_after_forward=False (no backward re-gather) and activation checkpointing
+    # (the recomputation runs on the re-gathered FP8 weight): bit for bit the
+    # high-precision gather.
+    for result in fsdp_fp8:
+        runs = result[recipe]["variants"]
+        assert torch.equal(runs[variant]["losses"], runs["plain"]["losses"])
+        for name, p in runs["plain"]["params"].items():
+            assert torch.equal(runs[variant]["params"][name], p), name
