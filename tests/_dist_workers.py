@@ -1044,3 +1044,44 @@ def _delayed_without_group(rank: int, world: int) -> str:
 
 
 SECTIONS["fsdp_fp8"] = section_fsdp_fp8
+
+
+def _fp8ag_compiled(recipe_name: str, compiled: bool, rank: int, world: int) -> dict[str, Any]:
+    """The FSDP2 MLP with the FP8 all-gather, eager or ``torch.compile``-d, 2 SGD steps:
+    outputs, gradients, and how many GEMMs took a gathered FP8 weight as it is."""
+    from fastcast.distributed.fsdp import GatheredFloat8Weight  # noqa: PLC0415
+
+    recipe = RECIPES[recipe_name]()
+    model = _fp8ag_model(recipe_name, True, True)
+    run = torch.compile(model) if compiled else model  # (compiled: 0 or 1)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    direct = [0]
+    as_operand = GatheredFloat8Weight.quantized
+
+    def counted(self: Any, columnwise: bool) -> Any:
+        direct[0] += 1
+        return as_operand(self, columnwise)
+
+    GatheredFloat8Weight.quantized = counted
+    res: dict[str, Any] = {"outs": [], "grads": []}
+    try:
+        for step in range(2):
+            x, y = (local_rows(t, rank) for t in global_batch(step, world))
+            with fc.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+                out = run(x)
+            loss_fn(out, y, world * LOCAL_BATCH).backward()
+            res["outs"].append(out.detach())
+            res["grads"].append([p.grad.full_tensor() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        GatheredFloat8Weight.quantized = as_operand
+    res["direct"] = direct[0]
+    return res
+
+
+def section_fsdp_fp8_compile(rank: int, world: int) -> dict[str, Any]:
+    return {"current": {c: isolated(_fp8ag_compiled, "current", c, rank, world) for c in (0, 1)}}
+
+
+SECTIONS["fsdp_fp8_compile"] = section_fsdp_fp8_compile

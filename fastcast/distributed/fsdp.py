@@ -43,7 +43,11 @@ from torch.utils._pytree import tree_map
 
 from ..delayed import FORWARD
 from ..quantize.base import scale_from_amax, tensor_amax, transposed_codes
-from ..quantize.tensorwise import CurrentScalingQuantizer, quantize_with_scale
+from ..quantize.tensorwise import (
+    CurrentScalingQuantizer,
+    DelayedScalingQuantizer,
+    quantize_with_scale,
+)
 from ..recipe import ELEMENT_MAX, DelayedScaling, Float8CurrentScaling, Recipe
 from ..schemes import scheme_for
 from ..state import get_stack, optimizer_steps
@@ -196,8 +200,9 @@ class FSDPFloat8Weight(torch.Tensor):
                 )
             plan = module._plan
             if plan is None or not plan.matches(frame):
-                scheme = scheme_for(frame.recipe)
-                plan = module._plan = scheme.plan(frame, module._metas, self._tensor.device)
+                # Not stored on the module: under torch.compile its forward builds plans of
+                # its own (fastcast.dynamo), and a stored one would reach the trace.
+                plan = scheme_for(frame.recipe).plan(frame, module._metas, self._tensor.device)
             quantizer = plan.weight_q
             scale = quantizer.scale.clone()  # the scale it casts with (updated in place later)
             return scale, quantizer, quantizer.quantize(self._tensor)
@@ -325,7 +330,16 @@ class GatheredFloat8Weight(torch.Tensor):
     def fc_quantized(self, quantizer: Any, columnwise: bool) -> Float8Tensor | None:
         """The GEMM operand when this weight was cast for ``quantizer`` (None otherwise:
         the caller quantizes it, and so sees the dequantized weight)."""
-        if self.quantizer is None or quantizer != self.quantizer:
+        mine = self.quantizer
+        if mine is None:
+            return None
+        if quantizer != mine and not (
+            # Delayed scaling: any quantizer over the same scale slot (plans are rebuilt).
+            isinstance(mine, DelayedScalingQuantizer)
+            and type(quantizer) is DelayedScalingQuantizer
+            and quantizer.meta is mine.meta
+            and quantizer.index == mine.index
+        ):
             return None
         return self.quantized(columnwise)
 
@@ -341,7 +355,10 @@ class GatheredFloat8Weight(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return ["_codes", "_scale_inv"], (self.quantizer, self.fmt, self.dtype)
+        # torch.compile copies this context: a delayed-scaling quantizer (live state, a
+        # process group) stays out, so a traced weight is used dequantized.
+        quantizer = self.quantizer if isinstance(self.quantizer, CurrentScalingQuantizer) else None
+        return ["_codes", "_scale_inv"], (quantizer, self.fmt, self.dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: Any, size: Any, stride: Any) -> Any:
