@@ -47,12 +47,8 @@ def register_cuda_guard() -> None:
 
     build = Path.home() / ".cache" / "fastcast" / f"fake-cuda-guard-{torch.__version__}"
     build.mkdir(parents=True, exist_ok=True)
-    load(
-        "fastcast_fake_cuda_guard",
-        [str(_GUARD_SOURCE)],
-        build_directory=str(build),
-        is_python_module=False,
-    )
+    load("fastcast_fake_cuda_guard", [str(_GUARD_SOURCE)], build_directory=str(build),
+         is_python_module=False)
     _guard_loaded = True
 
 

@@ -41,9 +41,8 @@ OPERATORS = {
 }
 
 
-def tensor_core_gemms(
-    name: str, capability: tuple[int, int], dtype: torch.dtype, cuda: str = "12.9"
-) -> int:
+def tensor_core_gemms(name: str, capability: tuple[int, int], dtype: torch.dtype,
+                      cuda: str = "12.9") -> int:
     """How many of the layer's three GEMMs should run on FP8 tensor cores, from what the
     kernels support (not from fastcast's code): per-tensor FP8 on sm89+; per-row FP8 with
     a bf16 output on sm89+, any float output on sm90 with cuBLAS 12.9+; the block-scaled
@@ -140,9 +139,8 @@ def test_torch_autocast_bf16_output_on_fake_cuda():
     with simulated_cuda(SM90) as launched:
         layer = fake_parameters(fc.Linear(128, 256, bias=False))
         x = torch.empty(64, 128, device="cuda", requires_grad=True)
-        with (
-            torch.autocast("cuda", dtype=torch.bfloat16),
-            fc.autocast(recipe=fc.Float8CurrentScaling()),
+        with torch.autocast("cuda", dtype=torch.bfloat16), fc.autocast(
+            recipe=fc.Float8CurrentScaling()
         ):
             y = layer(x)
         assert y.dtype == torch.bfloat16
