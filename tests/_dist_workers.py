@@ -703,3 +703,385 @@ def _tp_dcp(recipe_name: str, rank: int) -> dict[str, Any]:
 
 SECTIONS["tp"] = section_tp
 SECTIONS["tp_dcp"] = section_tp_dcp
+
+
+# -- section: FSDP2 with the quantized (FP8) all-gather ----------------------------------------
+
+FP8AG_STEPS = 3
+LEAK_STEPS = 20
+LIVE_AFTER = (1, 10, 20)  # steps after which live tensors are counted
+
+
+class CountingAllGather:
+    """Wraps ``dist.all_gather_single`` (FSDP2's all-gather, looked up at call time): the
+    bytes each call sends, by phase (``phase`` is set by the training loop)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, int] = {"forward": 0, "backward": 0, "eval": 0}
+        self.phase = "forward"
+        self._orig = dist.all_gather_single
+
+    def __call__(self, output, input, group=None, async_op=False):  # noqa: A002
+        self.sent[self.phase] += input.numel() * input.element_size()
+        return self._orig(output, input, group=group, async_op=async_op)
+
+    def __enter__(self) -> CountingAllGather:
+        dist.all_gather_single = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_gather_single = self._orig
+
+
+def _fp8ag_model(recipe_name: str, quantized: bool, sharded: bool) -> nn.Module:
+    # (A recipe object of its own: the autocast's is another, equal one.)
+    recipe = RECIPES[recipe_name]()
+    model = fc.convert(make_mlp(), recipe=recipe, quantized_all_gather=quantized)
+    return _fully_shard(model) if sharded else model
+
+
+def _live_storage(held: Any) -> tuple[int, int]:
+    """(live tensors, bytes of their distinct storages) of this process after a gc, but
+    for the tensors in ``held`` (what the test keeps for its comparisons). The least of
+    two samples: a tensor that a background thread (gloo's) holds for a moment is not
+    counted, a tensor that stays alive is."""
+    import gc  # noqa: PLC0415
+
+    from torch.utils._pytree import tree_leaves  # noqa: PLC0415
+
+    held = [t for t in tree_leaves(held) if isinstance(t, torch.Tensor)]
+    skip = {id(t) for t in held} | {id(t._base) for t in held if t._base is not None}
+    samples = []
+    for _ in range(2):
+        gc.collect()
+        count, storages = 0, {}
+        for obj in gc.get_objects():
+            if (type(obj) is torch.Tensor or type(obj) is nn.Parameter) and id(obj) not in skip:
+                count += 1
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr(), storage.nbytes()] = storage.nbytes()
+        samples.append((count, sum(storages.values())))
+    return min(samples)
+
+
+def fp8ag_run(
+    recipe_name: str, quantized: bool, rank: int | None, world: int, precompute: bool = False
+) -> dict[str, Any]:
+    """SGD for ``LEAK_STEPS`` steps (``rank=None``: one process, whole
+    batch): the first forward's output, the first ``FP8AG_STEPS`` losses and gradients
+    (full tensors) and the parameters after them, the all-gather bytes by phase, the
+    all-reduces per step, and the live tensors/storage after the first and the last step."""
+    from fastcast.distributed.fsdp import GatheredFloat8Weight, precompute_float8_scales  # noqa: PLC0415
+
+    recipe = RECIPES[recipe_name]()
+    sharded = rank is not None
+    model = _fp8ag_model(recipe_name, quantized, sharded)
+    group = dist.group.WORLD if sharded else None
+    opt = torch.optim.SGD(model.parameters(), lr=LR * world if sharded else LR)
+    res: dict[str, Any] = {"losses": [], "grads": [], "reductions": []}
+    direct = [0]  # GEMM operands taken from gathered FP8 weights as they are
+    as_operand = GatheredFloat8Weight.quantized
+
+    def counted(self: Any, columnwise: bool) -> Any:
+        direct[0] += 1
+        return as_operand(self, columnwise)
+
+    GatheredFloat8Weight.quantized = counted
+    with CountingAllGather() as gathers, CountingAllReduce() as reduces:
+        for step in range(LEAK_STEPS):
+            x, y = global_batch(step % 5, world)
+            if sharded:
+                x, y = local_rows(x, rank), local_rows(y, rank)
+            gathers.phase = "forward" if step == 0 else "later"
+            gathers.sent.setdefault("later", 0)
+            before = len(reduces.calls)
+            with fc.autocast(recipe=recipe, amax_reduction_group=group):
+                out = model(x)
+                loss = loss_fn(out, y, world * LOCAL_BATCH)
+            if step == 0:
+                res["out0"] = out.detach().clone()
+                gathers.phase = "backward"
+            loss.backward()
+            if step < FP8AG_STEPS:
+                res["grads"].append(
+                    {
+                        n: (p.grad.full_tensor() if sharded else p.grad).clone()
+                        for n, p in model.named_parameters()
+                    }
+                )
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if precompute:
+                precompute_float8_scales(model)
+            res["reductions"].append(torch.tensor(reduces.calls[before:]).reshape(-1, 2))
+            res["losses"].append(loss.detach())
+            if step == FP8AG_STEPS - 1:
+                res["params"] = full_params(model)
+            if sharded and step + 1 in LIVE_AFTER:
+                res.setdefault("live", []).append(torch.tensor(_live_storage(res)))
+        res["params_last"] = full_params(model)
+        # Evaluation outside autocast, on a fixed input.
+        gathers.phase = "eval"
+        with torch.no_grad():
+            res["eval"] = model(global_batch(7, 1)[0][:8]).detach()
+    GatheredFloat8Weight.quantized = as_operand
+    res["direct"] = direct[0]
+    res["losses"] = torch.stack(res["losses"][:FP8AG_STEPS])
+    res["bytes"] = dict(gathers.sent)
+    res["weight_types"] = [
+        type(getattr(m.weight, "_local_tensor", m.weight)).__name__ for m in fc_linears(model)
+    ]
+    return res
+
+
+def _fp8ag_refusals() -> dict[str, str]:
+    """fc.convert's errors for quantized_all_gather it cannot do, and whether the model
+    was left as it was."""
+    out = {}
+    for name, recipe in (("block", fc.Float8BlockScaling()), ("none", None)):
+        model = nn.Sequential(nn.Linear(WIDTH, WIDTH))
+        try:
+            fc.convert(model, recipe=recipe, quantized_all_gather=True)
+            out[name] = ""
+        except (ValueError, NotImplementedError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+        out[f"{name}.unchanged"] = str(type(model[0]) is nn.Linear)
+    return out
+
+
+def section_fsdp_fp8(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"refusals": _fp8ag_refusals()}
+    for name in RECIPES:
+        out[name] = {
+            "fp8": isolated(fp8ag_run, name, True, rank, world),
+            "hp": isolated(fp8ag_run, name, False, rank, world),
+        }
+        if rank == 0:
+            out[name]["reference"] = isolated(fp8ag_run, name, False, None, world)
+    out["current"]["precompute"] = isolated(fp8ag_run, "current", True, rank, world, True)
+    out["delayed"]["no_group"] = isolated(_delayed_without_group, rank, world)
+    out["dcp"] = isolated(_fp8ag_dcp, rank, world)
+    for name in RECIPES:
+        out[name]["variants"] = {
+            v: isolated(_fp8ag_variant, name, v, rank, world)
+            for v in ("plain", "fp8_no_reshard", "fp8_checkpointed")
+        }
+    for name in RECIPES:
+        out[name]["llama"] = {"fp8": isolated(fp8ag_llama, name, True, rank, world)}
+        if rank == 0:
+            out[name]["llama"]["reference"] = isolated(fp8ag_llama, name, False, None, world)
+    return out
+
+
+def fp8ag_llama(recipe_name: str, quantized: bool, rank: int | None, world: int) -> dict[str, Any]:
+    """A one-layer Hugging Face Llama from a config, every fc.Linear (lm_head included)
+    and the decoder layer ``fully_shard``-ed, 3 SGD steps; each rank its own sequences
+    (``rank=None``: one process, all of them)."""
+    import transformers  # noqa: PLC0415
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+    )
+    recipe = RECIPES[recipe_name]()
+    torch.manual_seed(77)
+    model = fc.convert(
+        transformers.LlamaForCausalLM(config), recipe=recipe, quantized_all_gather=quantized
+    )
+    if rank is not None:
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+        mesh = init_device_mesh("cpu", (world,))
+        for m in fc_linears(model):
+            fully_shard(m, mesh=mesh)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    group = None if rank is None else dist.group.WORLD
+    # As loss_fn does: each rank's loss is its share of the global one (a sum over its
+    # tokens over the global count), so gradients (and their amaxes) agree row for row
+    # with one process; FSDP2 averages over the ranks, hence lr * world.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 if rank is None else 0.1 * world)
+    losses = []
+    for step in range(FP8AG_STEPS):
+        ids = torch.randint(0, 64, (2 * world, 16), generator=torch.Generator().manual_seed(step))
+        if rank is not None:
+            ids = ids[2 * rank : 2 * rank + 2]
+        with fc.autocast(recipe=recipe, amax_reduction_group=group):
+            # (labels are shifted by one inside: 15 predicted tokens per sequence)
+            loss = model(input_ids=ids, labels=ids, num_items_in_batch=2 * world * 15).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return {"losses": torch.stack(losses), "params": full_params(model)}
+
+
+class _CheckpointedPair(nn.Module):
+    """Two fc.Linear with a ReLU between, optionally under activation checkpointing."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.checkpointed = checkpointed
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
+
+            return checkpoint(self._run, x, use_reentrant=False)
+        return self._run(x)
+
+
+def _fp8ag_variant(recipe_name: str, variant: str, rank: int, world: int) -> dict[str, Any]:
+    """Two pairs of fc.Linear, each pair ``fully_shard``-ed, 3 SGD steps: ``plain`` (the
+    high-precision gather), ``fp8_no_reshard`` (FP8 gather, ``reshard_after_forward=False``:
+    no re-gather in backward), ``fp8_checkpointed`` (FP8 gather, each pair under
+    activation checkpointing: the recomputation uses the re-gathered weight)."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    recipe = RECIPES[recipe_name]()
+    torch.manual_seed(5)
+    checkpointed = variant == "fp8_checkpointed"
+    model = fc.convert(
+        nn.Sequential(_CheckpointedPair(checkpointed), _CheckpointedPair(checkpointed)),
+        recipe=recipe,
+        quantized_all_gather=variant != "plain",
+    )
+    mesh = init_device_mesh("cpu", (world,))
+    for pair in model:
+        fully_shard(pair, mesh=mesh, reshard_after_forward=variant != "fp8_no_reshard")
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(FP8AG_STEPS):
+        x, y = (local_rows(t, rank) for t in global_batch(step, world))
+        with fc.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+            loss = (model(x)[:, :32] - y).square().sum() / (world * LOCAL_BATCH)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return {"losses": torch.stack(losses), "params": full_params(model)}
+
+
+def _fp8ag_dcp(rank: int, world: int) -> dict[str, Any]:
+    """An FSDP2 model with the FP8 all-gather, trained 2 steps and saved with DCP: the
+    state dict's local shards (plain tensors), then loads into a fresh such model and,
+    resharded, into one plain unsharded model on rank 0; forwards and parameters."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+    import fastcast.dcp  # noqa: PLC0415
+
+    path = os.path.join(os.environ["FASTCAST_TEST_OUT"], "dcp_fp8ag")
+    recipe = RECIPES["current"]()
+    model = _fp8ag_model("current", True, True)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(2):
+        x, y = (local_rows(t, rank) for t in global_batch(step, world))
+        with fc.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+            loss_fn(model(x), y, world * LOCAL_BATCH).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    x = global_batch(7, 1)[0][:8]
+
+    def forward(m: nn.Module) -> torch.Tensor:
+        with fc.autocast(recipe=recipe), torch.no_grad():
+            return m(x)
+
+    sd = model.state_dict()
+    out: dict[str, Any] = {
+        "local_types": sorted({type(getattr(v, "_local_tensor", v)).__name__ for v in sd.values()}),
+        "saved_params": full_params(model),
+        "saved": forward(model),
+    }
+    dcp.save({"model": sd}, checkpoint_id=path)
+    torch.manual_seed(99)
+    fresh = _fully_shard(
+        fc.convert(
+            nn.Sequential(*(m for m in make_mlp())), recipe=recipe, quantized_all_gather=True
+        )
+    )
+    for p in fresh.parameters():  # other values, so that the load must write them all
+        p.data.mul_(0.5)
+    sd = {"model": fresh.state_dict()}
+    dcp.load(sd, checkpoint_id=path, planner=fastcast.dcp.LoadPlanner())
+    fresh.load_state_dict(sd["model"])
+    out["loaded_types"] = [type(m.weight._local_tensor).__name__ for m in fc_linears(fresh)]
+    out["loaded"] = forward(fresh)
+    dist.barrier()
+    if rank == 0:
+        single = make_mlp()
+        sd = {"model": single.state_dict()}
+        dcp.load(sd, checkpoint_id=path, planner=fastcast.dcp.LoadPlanner(), no_dist=True)
+        single.load_state_dict(sd["model"])
+        out["single_params"] = full_params(single)
+    dist.barrier()
+    return out
+
+
+def _delayed_without_group(rank: int, world: int) -> str:
+    """DelayedScaling's quantized gather under an autocast without a group: the error."""
+    recipe = RECIPES["delayed"]()
+    model = _fp8ag_model("delayed", True, True)
+    x = local_rows(global_batch(0, world)[0], rank)
+    try:
+        with fc.autocast(recipe=recipe):
+            model(x)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+SECTIONS["fsdp_fp8"] = section_fsdp_fp8
+
+
+def _fp8ag_compiled(recipe_name: str, compiled: bool, rank: int, world: int) -> dict[str, Any]:
+    """The FSDP2 MLP with the FP8 all-gather, eager or ``torch.compile``-d, 2 SGD steps:
+    outputs, gradients, and how many GEMMs took a gathered FP8 weight as it is."""
+    from fastcast.distributed.fsdp import GatheredFloat8Weight  # noqa: PLC0415
+
+    recipe = RECIPES[recipe_name]()
+    model = _fp8ag_model(recipe_name, True, True)
+    run = torch.compile(model) if compiled else model  # (compiled: 0 or 1)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    direct = [0]
+    as_operand = GatheredFloat8Weight.quantized
+
+    def counted(self: Any, columnwise: bool) -> Any:
+        direct[0] += 1
+        return as_operand(self, columnwise)
+
+    GatheredFloat8Weight.quantized = counted
+    res: dict[str, Any] = {"outs": [], "grads": []}
+    try:
+        for step in range(2):
+            x, y = (local_rows(t, rank) for t in global_batch(step, world))
+            with fc.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+                out = run(x)
+            loss_fn(out, y, world * LOCAL_BATCH).backward()
+            res["outs"].append(out.detach())
+            res["grads"].append([p.grad.full_tensor() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        GatheredFloat8Weight.quantized = as_operand
+    res["direct"] = direct[0]
+    return res
+
+
+def section_fsdp_fp8_compile(rank: int, world: int) -> dict[str, Any]:
+    return {"current": {c: isolated(_fp8ag_compiled, "current", c, rank, world) for c in (0, 1)}}
+
+
+SECTIONS["fsdp_fp8_compile"] = section_fsdp_fp8_compile

@@ -29,6 +29,7 @@ def convert(
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
     *,
     recipe: Recipe | None = None,
+    quantized_all_gather: bool = False,
 ) -> nn.Module:
     """Turn every ``nn.Linear`` below ``module`` into an ``fc.Linear``, and every
     transformers ``Conv1D`` (GPT-2's layers) into an ``fc.Conv1D``, in place (the same
@@ -58,7 +59,23 @@ def convert(
     every ``fc.Linear`` below ``module`` (converted now or before) gets the per-module
     state that recipe keeps (``Linear.prepare_state``), so a freshly built model has the
     state-dict layout of a trained one: what DCP, which loads in place, needs to resume.
+
+    ``quantized_all_gather=True`` (needs ``recipe``, a per-tensor one for now): FSDP2
+    (``fully_shard``, applied after this) all-gathers each ``fc.Linear`` weight as FP8
+    codes and a per-tensor scale, which the GEMMs under an ``fc.autocast`` with that
+    recipe use directly; outside it the layers see the weight rounded to FP8
+    (``fastcast.distributed.fsdp`` explains why). Off by default: FSDP2 then gathers
+    the weights in high precision, as for ``nn.Linear``.
     """
+    if quantized_all_gather:  # checked before anything changes
+        if recipe is None:
+            raise ValueError(
+                "fastcast.convert: quantized_all_gather=True needs recipe=... (the weights' "
+                "gathered format is chosen at conversion)"
+            )
+        from ..distributed.fsdp import check_recipe  # noqa: PLC0415 - torch.distributed
+
+        check_recipe(recipe)
     align = DEFAULT_ALIGNMENT if recipe is None else scheme_for(recipe).alignment(recipe)
     hf_conv1d = _hf_conv1d_class()
 
@@ -113,7 +130,17 @@ def convert(
         for layer in module.modules():
             if isinstance(layer, Linear):
                 layer.prepare_state(recipe)
+    if quantized_all_gather:
+        _quantize_all_gathers(module, recipe)
     return module
+
+
+def _quantize_all_gathers(module: nn.Module, recipe: Recipe) -> None:
+    # fastcast.distributed.fsdp imports torch.distributed: only when asked for.
+    from ..distributed.fsdp import enable_quantized_all_gather  # noqa: PLC0415
+
+    layers = [m for m in module.modules() if isinstance(m, Linear)]
+    enable_quantized_all_gather(layers, recipe)
 
 
 def keep_high_precision(

@@ -39,7 +39,13 @@ def forward_gemm(
         # again, with the replaying call's quantizer (the original scale), bypassing the cache.
         w_q = call.weight_q.quantize(weight, rowwise=True, columnwise=True)
     elif w_q is None:
-        w_q = quantize_weight(weight_cache, weight, call.weight_q, first, need_dgrad)
+        # A weight FSDP2 gathered in FP8 (fastcast.distributed.fsdp) is used as it is.
+        if weight.__class__ is torch.nn.Parameter or not hasattr(weight, "fc_quantized"):
+            w_q = quantize_weight(weight_cache, weight, call.weight_q, first, need_dgrad)
+        else:
+            w_q = weight.fc_quantized(call.weight_q, need_dgrad)
+            if w_q is None:
+                w_q = quantize_weight(weight_cache, weight, call.weight_q, None, need_dgrad)
         w_q = call.remember_weight(w_q)
     out = operands_product(x_q, w_q, _output_dtype(x), bias)
     call.forward_done()

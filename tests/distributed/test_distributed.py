@@ -386,3 +386,203 @@ def test_sequence_parallel_matches_single_process(tp, recipe):
     torch.testing.assert_close(losses, ref["losses"], rtol=1e-5, atol=0)
     for result in tp:
         assert max_rel(result[f"sp.{recipe}"]["params"], ref["params"]) < 1e-5
+
+
+# -- 8. FSDP2 with the quantized (FP8) all-gather ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fsdp_fp8(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    # Build the fused kernels here, once, rather than in each cold worker.
+    from fastcast.kernels import build  # noqa: PLC0415
+
+    build.load()
+    return spawn("fsdp_fp8", tmp_path_factory.mktemp("fsdp_fp8"))
+
+
+FP8AG_RECIPES = ["delayed", "current"]
+
+
+@pytest.mark.parametrize("recipe", FP8AG_RECIPES)
+def test_fsdp_fp8_all_gather_is_used(fsdp_fp8, recipe):
+    for result in fsdp_fp8:
+        assert result[recipe]["fp8"]["weight_types"] == ["FSDPFloat8Weight"] * 3
+        assert result[recipe]["hp"]["weight_types"] == ["Tensor"] * 3
+        # Every forward GEMM under autocast took its gathered FP8 weight as it is (3 layers,
+        # 20 steps); evaluation outside autocast did not.
+        assert result[recipe]["fp8"]["direct"] == 3 * workers.LEAK_STEPS
+        assert result[recipe]["hp"]["direct"] == 0
+
+
+@pytest.mark.parametrize("recipe", FP8AG_RECIPES)
+def test_fsdp_fp8_all_gather_matches_high_precision_gather_bit_for_bit(fsdp_fp8, recipe):
+    # Gathering the FP8 codes and scale gives every rank what quantizing the gathered
+    # high-precision weight gives: the same outputs, losses, gradients and parameters.
+    for result in fsdp_fp8:
+        fp8, hp = result[recipe]["fp8"], result[recipe]["hp"]
+        assert torch.equal(fp8["out0"], hp["out0"])
+        assert torch.equal(fp8["losses"], hp["losses"])
+        for step, (g8, gh) in enumerate(zip(fp8["grads"], hp["grads"])):
+            for name in gh:
+                assert torch.equal(g8[name], gh[name]), (step, name)
+        for name in hp["params"]:
+            assert torch.equal(fp8["params"][name], hp["params"][name]), name
+
+
+@pytest.mark.parametrize("recipe", FP8AG_RECIPES)
+def test_fsdp_fp8_all_gather_matches_single_process(fsdp_fp8, recipe):
+    ref = fsdp_fp8[0][recipe]["reference"]
+    runs = [r[recipe]["fp8"] for r in fsdp_fp8]
+    # First forward: each rank's rows are the single process's rows, bit for bit (same
+    # weight scale and codes, input amax reduced over the ranks).
+    for rank, run in enumerate(runs):
+        rows = ref["out0"][rank * workers.LOCAL_BATCH : (rank + 1) * workers.LOCAL_BATCH]
+        assert torch.equal(run["out0"], rows), rank
+    # Losses, gradients, parameters: the ranks' partial sums and FSDP2's reduce-scatter
+    # add in another order than one GEMM over the whole batch: FP32 rounding.
+    losses = sum(run["losses"] for run in runs)
+    torch.testing.assert_close(losses, ref["losses"], rtol=1e-6, atol=0)
+    for step, (grads, ref_grads) in enumerate(zip(runs[0]["grads"], ref["grads"])):
+        for name, g in ref_grads.items():
+            # FSDP2 averages the ranks' gradients; each rank's is its share of the sum.
+            torch.testing.assert_close(
+                grads[name] * WORLD, g, rtol=1e-5, atol=1e-7, msg=f"step {step} {name}"
+            )
+    for name, p in ref["params"].items():
+        torch.testing.assert_close(runs[0]["params"][name], p, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("recipe", FP8AG_RECIPES)
+def test_fsdp_fp8_all_gather_bytes(fsdp_fp8, recipe):
+    for result in fsdp_fp8:
+        fp8, hp = result[recipe]["fp8"]["bytes"], result[recipe]["hp"]["bytes"]
+        # The forward gathers of one step (the biases still go in FP32) ...
+        assert fp8["forward"] <= 0.27 * hp["forward"], (fp8, hp)
+        # ... and backward's re-gather (reshard_after_forward) is FP8 as well.
+        assert fp8["backward"] <= 0.27 * hp["backward"], (fp8, hp)
+        # Weights alone: 1 byte per element against 4.
+        params = result[recipe]["hp"]["params"]
+        weights = sum(p.numel() for n, p in params.items() if "weight" in n)
+        biases = sum(p.numel() for n, p in params.items() if "bias" in n)
+        assert hp["forward"] == 4 * (weights + biases) // WORLD
+        assert fp8["forward"] == (weights + 4 * biases) // WORLD
+
+
+@pytest.mark.parametrize("recipe", FP8AG_RECIPES)
+def test_fsdp_fp8_all_gather_no_leak(fsdp_fp8, recipe):
+    # After steps 10 and 20: the same number of live tensors and bytes of live storage as
+    # after step 1 (each the least of two samples, see _live_storage).
+    for result in fsdp_fp8:
+        for name, run in result[recipe].items():
+            if isinstance(run, dict) and "live" in run:
+                live = [tuple(t.tolist()) for t in run["live"]]
+                assert len(live) == len(workers.LIVE_AFTER)
+                assert live == [live[0]] * len(live), (name, live)
+
+
+@pytest.mark.parametrize("recipe", ["current"])
+def test_fsdp_fp8_all_gather_outside_autocast(fsdp_fp8, recipe):
+    # Outside autocast the layers compute with the gathered weights rounded to FP8 (the
+    # gathered format is fixed at conversion): an independent float64 model with the
+    # weights cast to E4M3 by torch, scale 448 / amax, gives the same outputs.
+    for result in fsdp_fp8:
+        fp8 = result[recipe]["fp8"]
+        params = fp8["params_last"]
+        x = workers.global_batch(7, 1)[0][:8].double()
+        h, h_hp = x, x
+        for i in range(3):
+            w, b = params[f"{2 * i}.weight"], params[f"{2 * i}.bias"]
+            scale = torch.tensor(448.0) / w.abs().max()
+            w8 = (w * scale).to(torch.float8_e4m3fn).double() / scale.double()
+            h, h_hp = h @ w8.T + b.double(), h_hp @ w.double().T + b.double()
+            if i < 2:
+                h, h_hp = h.relu(), h_hp.relu()
+        torch.testing.assert_close(fp8["eval"].double(), h, rtol=1e-5, atol=1e-6)
+        assert (fp8["eval"].double() - h_hp).abs().max() > 1e-3  # not the FP32 weights
+
+
+def test_fsdp_fp8_precompute_scales_one_all_reduce(fsdp_fp8):
+    n_layers = 3
+    for result in fsdp_fp8:
+        pre, auto = result["current"]["precompute"], result["current"]["fp8"]
+        # The same training, bit for bit ...
+        assert torch.equal(pre["losses"], auto["losses"])
+        for name in auto["params"]:
+            assert torch.equal(pre["params"][name], auto["params"][name]), name
+        for step in range(1, workers.LEAK_STEPS):
+            # ... with one all-reduce of all 3 weight amaxes per step, instead of one per
+            # weight (the re-gathers in backward reuse the forward's scale).
+            with_pre, without = pre["reductions"][step], auto["reductions"][step]
+            assert len(without) - len(with_pre) == n_layers - 1, (step, with_pre, without)
+            assert [n_layers, 1] in with_pre.tolist()
+
+
+def test_fsdp_fp8_all_gather_refusals(fsdp_fp8):
+    refusals = fsdp_fp8[0]["refusals"]
+    assert refusals["block"].startswith("NotImplementedError: fastcast.convert: quantized_all")
+    assert "Float8BlockScaling" in refusals["block"]
+    assert refusals["none"].startswith("ValueError: fastcast.convert: quantized_all_gather=True")
+    assert refusals["block.unchanged"] == refusals["none.unchanged"] == "True"
+    for result in fsdp_fp8:
+        assert "needs fc.autocast(amax_reduction_group=...)" in result["delayed"]["no_group"]
+
+
+def test_fsdp_fp8_all_gather_dcp(fsdp_fp8):
+    # The state dict holds plain shards (no fastcast class in the checkpoint); DCP loads
+    # it back into a fresh FP8-gathering model (same forward, bit for bit) and, resharded,
+    # into one plain model (same parameters).
+    for result in fsdp_fp8:
+        dcp_run = result["dcp"]
+        assert dcp_run["local_types"] == ["Tensor"]
+        assert dcp_run["loaded_types"] == ["FSDPFloat8Weight"] * 3
+        assert torch.equal(dcp_run["loaded"], dcp_run["saved"])
+    ref = fsdp_fp8[0]["dcp"]
+    for name, p in ref["saved_params"].items():
+        assert torch.equal(ref["single_params"][name], p), name
+
+
+@pytest.mark.parametrize("recipe", FP8AG_RECIPES)
+def test_fsdp_fp8_all_gather_hugging_face_llama(fsdp_fp8, recipe):
+    # A tiny Llama (8 fc.Linear, lm_head included) against one process on all sequences:
+    # within FP32 rounding (the ranks' losses add up to its loss).
+    ref = fsdp_fp8[0][recipe]["llama"]["reference"]
+    losses = sum(r[recipe]["llama"]["fp8"]["losses"] for r in fsdp_fp8)
+    torch.testing.assert_close(losses, ref["losses"], rtol=1e-5, atol=0)
+    for name, p in ref["params"].items():
+        got = fsdp_fp8[0][recipe]["llama"]["fp8"]["params"][name]
+        torch.testing.assert_close(got, p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("recipe", FP8AG_RECIPES)
+@pytest.mark.parametrize("variant", ["fp8_no_reshard", "fp8_checkpointed"])
+def test_fsdp_fp8_all_gather_variants(fsdp_fp8, recipe, variant):
+    # reshard_after_forward=False (no backward re-gather) and activation checkpointing
+    # (the recomputation runs on the re-gathered FP8 weight): bit for bit the
+    # high-precision gather.
+    for result in fsdp_fp8:
+        runs = result[recipe]["variants"]
+        assert torch.equal(runs[variant]["losses"], runs["plain"]["losses"])
+        for name, p in runs["plain"]["params"].items():
+            assert torch.equal(runs[variant]["params"][name], p), name
+
+
+@pytest.fixture(scope="module")
+def fsdp_fp8_compile(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from fastcast.kernels import build  # noqa: PLC0415
+
+    build.load()
+    return spawn("fsdp_fp8_compile", tmp_path_factory.mktemp("fsdp_fp8_compile"))
+
+
+@pytest.mark.compile
+def test_fsdp_fp8_all_gather_compiled(fsdp_fp8_compile):
+    # torch.compile of the FSDP2 model, Float8CurrentScaling (FSDP2's hooks break the
+    # graph): the eager outputs and gradients, bit for bit, and every forward GEMM takes
+    # its gathered FP8 weight (3 layers, 2 steps).
+    for result in fsdp_fp8_compile:
+        eager, compiled = result["current"][0], result["current"][1]
+        assert compiled["direct"] == eager["direct"] == 3 * 2
+        for a, b in zip(compiled["outs"], eager["outs"]):
+            assert torch.equal(a, b)
+        for ga, gb in zip(compiled["grads"], eager["grads"]):
+            assert all(torch.equal(a, b) for a, b in zip(ga, gb))

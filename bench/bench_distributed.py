@@ -1,0 +1,131 @@
+"""Bytes on the wire of FSDP2's all-gathers, by recipe: the quantized (FP8) all-gather of
+``fc.convert(..., quantized_all_gather=True)`` against FSDP2's high-precision gathers.
+
+Two gloo ranks on the CPU, ``LAYERS`` blocks ``HIDDEN -> FFN -> HIDDEN`` of ``fc.Linear``
+(with biases), each layer ``fully_shard``-ed. The bytes are counted from the payloads FSDP2
+hands ``torch.distributed.all_gather_single`` (what each rank sends; the wire carries
+``world - 1`` times that to the others), for the forward and the backward (the re-gather
+of ``reshard_after_forward=True``) of one training step. The step times are the CPU's
+and gloo's, printed for completeness only: they say nothing about NCCL on GPUs.
+
+``python -m bench.bench_distributed`` prints the table.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fastcast as fc
+
+WORLD, LAYERS, HIDDEN, FFN, TOKENS, STEPS = 2, 2, 512, 2048, 256, 3
+
+# name -> (recipe for fc.convert and the autocast, quantized_all_gather, param dtype)
+CONFIGS: dict[str, tuple[Any, bool, torch.dtype]] = {
+    "fp32 gather (current)": (fc.Float8CurrentScaling(), False, torch.float32),
+    "bf16 gather (current)": (fc.Float8CurrentScaling(), False, torch.bfloat16),
+    "fp8 gather, current": (fc.Float8CurrentScaling(), True, torch.float32),
+    "fp8 gather, delayed": (fc.DelayedScaling(), True, torch.float32),
+    "fp8 gather, current, bf16 params": (fc.Float8CurrentScaling(), True, torch.bfloat16),
+}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(LAYERS):
+        layers += [nn.Linear(HIDDEN, FFN), nn.ReLU(), nn.Linear(FFN, HIDDEN)]
+    return nn.Sequential(*layers)
+
+
+def _run(config: str) -> dict[str, float]:
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+
+    recipe, quantized, param_dtype = CONFIGS[config]
+    model = fc.convert(_model(), recipe=recipe, quantized_all_gather=quantized)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for m in model:
+        if isinstance(m, fc.Linear):
+            fully_shard(m, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    sent = {"forward": 0, "backward": 0}
+    phase = ["forward"]
+    orig = dist.all_gather_single
+
+    def counting(output: Any, input: Any, group: Any = None, async_op: bool = False) -> Any:  # noqa: A002
+        sent[phase[0]] += input.numel() * input.element_size()
+        return orig(output, input, group=group, async_op=async_op)
+
+    dist.all_gather_single = counting
+    try:
+        times = []
+        for step in range(STEPS):
+            x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(step))
+            sent.update(forward=0, backward=0)
+            start = time.perf_counter()
+            phase[0] = "forward"
+            with fc.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+                loss = model(x).float().square().mean()
+            phase[0] = "backward"
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            times.append(time.perf_counter() - start)
+    finally:
+        dist.all_gather_single = orig
+    return {**{k: float(v) for k, v in sent.items()}, "ms": 1e3 * min(times)}
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    results = {config: _run(config) for config in CONFIGS}
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, "results.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure() -> dict[str, dict[str, float]]:
+    """Per configuration: forward and backward all-gather bytes per rank and step, and
+    the best step time (ms)."""
+    from fastcast.kernels import build  # noqa: PLC0415
+
+    build.load()  # once here, not in each rank
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(os.path.join(tmp, "pg"), tmp), nprocs=WORLD)
+        return torch.load(os.path.join(tmp, "results.pt"), weights_only=True)
+
+
+def main() -> None:
+    results = measure()
+    fp32 = results["fp32 gather (current)"]["forward"]
+    bf16 = results["bf16 gather (current)"]["forward"]
+    print(
+        f"FSDP2 all-gather bytes per rank and step: {WORLD} gloo ranks, {LAYERS} x "
+        f"({HIDDEN}->{FFN}->{HIDDEN}) fc.Linear with biases, {TOKENS} tokens"
+    )
+    columns = ("forward B", "backward B", "vs fp32", "vs bf16", "step ms")
+    print(f"{'configuration':36} " + " ".join(f"{c:>10}" for c in columns))
+    for config, r in results.items():
+        print(
+            f"{config:36} {r['forward']:10.0f} {r['backward']:10.0f} "
+            f"{r['forward'] / fp32:10.3f} {r['forward'] / bf16:10.3f} {r['ms']:10.1f}"
+        )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
