@@ -9,6 +9,7 @@ accept, and the routing of quantize operators to their compiled (Inductor) forms
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -58,6 +59,18 @@ def tensor_core_gemms(name: str, capability: tuple[int, int], dtype: torch.dtype
     return 0
 
 
+def fresh_thread(test):
+    """Run the test on a thread of its own (``on_fresh_thread``): an autocast exit there
+    updates only that thread's delayed-scaling state, never real tensors earlier tests
+    left in this thread's."""
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        return on_fresh_thread(lambda: test(*args, **kwargs))
+
+    return run
+
+
 def linear_fwd_bwd(recipe, dtype, tokens=64, k=128, n=256, bias=True):
     layer = fake_parameters(fc.Linear(k, n, bias=bias, dtype=dtype))
     x = torch.empty(tokens, k, device="cuda", dtype=dtype, requires_grad=True)
@@ -101,10 +114,14 @@ def test_linear_forward_backward_on_fake_cuda(name, capability, dtype):
 def test_token_counts_off_the_block_are_padded_on_cuda(name):
     """33 tokens: the weight gradient's blocks run along the tokens, so MXFP8 (32) and
     NVFP4 (16) pad them; the output and gradients keep the user's 33 rows."""
-    with simulated_cuda(SM100):
-        layer, x, y = linear_fwd_bwd(RECIPES[name], torch.bfloat16, tokens=33)
-        assert y.shape == (33, 256) and x.grad.shape == (33, 128)
-        assert layer.weight.grad.shape == (256, 128)
+
+    def body():
+        with simulated_cuda(SM100):
+            layer, x, y = linear_fwd_bwd(RECIPES[name], torch.bfloat16, tokens=33)
+            assert y.shape == (33, 256) and x.grad.shape == (33, 128)
+            assert layer.weight.grad.shape == (256, 128)
+
+    on_fresh_thread(body)
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -127,12 +144,16 @@ def test_no_grad_forward_on_fake_cuda(name):
 def test_unaligned_features_fall_back_to_the_emulation():
     """The FP8 kernels need K and N multiples of 16: other shapes run emulated, same
     outputs' shapes and dtypes."""
-    with simulated_cuda(SM90) as launched:
-        layer, x, y = linear_fwd_bwd(fc.Float8CurrentScaling(), torch.bfloat16, k=120, n=200)
-        assert y.shape == (64, 200) and layer.weight.grad.shape == (200, 120)
-    assert launched.scaled_mm == []
+    def body():
+        with simulated_cuda(SM90) as launched:
+            layer, x, y = linear_fwd_bwd(fc.Float8CurrentScaling(), torch.bfloat16, k=120, n=200)
+            assert y.shape == (64, 200) and layer.weight.grad.shape == (200, 120)
+        return launched
+
+    assert on_fresh_thread(body).scaled_mm == []
 
 
+@fresh_thread
 def test_torch_autocast_bf16_output_on_fake_cuda():
     """Under torch.autocast the layer's output takes autocast's dtype, as nn.Linear's;
     without a bias (an FP32 bias is added to the FP32 product first) the kernel writes it."""
@@ -147,6 +168,7 @@ def test_torch_autocast_bf16_output_on_fake_cuda():
     assert launched.scaled_mm[0]["out_dtype"] == torch.bfloat16
 
 
+@fresh_thread
 def test_gpus_without_fp8_refuse_clearly_unless_emulated(monkeypatch):
     with simulated_cuda((8, 0)):
         ok, reason = fc.fp8_available()
@@ -160,6 +182,7 @@ def test_gpus_without_fp8_refuse_clearly_unless_emulated(monkeypatch):
         assert y.shape == (64, 256)
 
 
+@fresh_thread
 def test_compiled_operators_are_chosen_for_cuda_without_running_the_device():
     from fastcast.kernels import choice
 
@@ -170,6 +193,7 @@ def test_compiled_operators_are_chosen_for_cuda_without_running_the_device():
         assert launched.compiled_ops == []  # chosen, not yet called
 
 
+@fresh_thread
 def test_missing_triton_runs_the_reference_after_one_warning(monkeypatch):
     from fastcast.kernels import choice
 
