@@ -273,8 +273,24 @@ class DelayedPlan(Plan):
             return state.task is None
         return state.task is not None and state.task() is task
 
-    def call(self, autograd: bool, replay: Any = None, record: Any = None) -> DelayedCall:
+    def call(
+        self, autograd: bool, replay: Any = None, record: Any = None
+    ) -> DelayedPlan | DelayedCall:
+        """The plan itself for a plain call (its hooks are the ones a call needs, and its
+        quantizers read the scales when they run); a ``DelayedCall`` under activation
+        checkpointing, which must carry what the original call used."""
+        if replay is None and record is None:
+            return self
         return DelayedCall(self, replay, record)
+
+    # -- the per-call hooks of a plain call (``DelayedCall`` has the general ones) ---------
+    def forward_done(self) -> None:
+        self.state.mark(self.fwd_slab, FORWARD)
+
+    def backward_done(self) -> None:
+        state = self.state
+        state.mark(self.bwd_slab, BACKWARD)
+        state.backward_ran(self.group)
 
     def calibrate(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         record_amax(self.fwd_meta.amax_slots[0], x.detach())
