@@ -150,10 +150,10 @@ class DelayedScalingQuantizer:
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
     ) -> Float8Tensor:
         check_input(x)
-        meta, index = self.meta, self.index
-        scale = meta.scale_views[index]  # (the ``scale`` property, without its call)
+        # Through the property, once: compiled code overrides it (dynamo/delayed.py).
+        scale = self.scale
         if self.recording:
-            slot = meta.amax_slots[index]
+            slot = self.meta.amax_slots[self.index]
             op = _scalar_op("quantize_recording", x, scale, slot)
             if op is not None:  # one pass over x
                 data, scale_inv = op(x, scale, slot, FP8_DTYPES[self.fmt])
