@@ -37,8 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastcast as fc
-from fastcast.delayed import FORWARD
-from fastcast.schemes.delayed import DelayedScalingScheme, DelayedState, DelayedThreadState
+from fastcast.schemes.delayed import FORWARD, DelayedScalingScheme, DelayedState, DelayedThreadState
 from fastcast.state import thread_state
 
 INNER = 10

@@ -51,7 +51,9 @@ from typing import Any
 
 import torch
 
-from .delayed import (
+from .formats import FP8_FORMATS
+from .pickles import describe_pickle, payload_bytes
+from .schemes.delayed.state import (
     BACKWARD,
     FORWARD,
     UNKNOWN_ORIGIN,
@@ -59,10 +61,14 @@ from .delayed import (
     ScalingOrigin,
     check_scaling_tensors,
 )
-from .formats import FP8_FORMATS
-from .pickles import describe_pickle, payload_bytes
+from .schemes.delayed.te_state import (
+    TE_ALLOW_LIST,
+    TE_KEYS,
+    describe_items,
+    from_transformer_engine,
+    hashable,
+)
 from .state import unsafe_extra_state
-from .te_state import TE_ALLOW_LIST, TE_KEYS, describe_items, from_transformer_engine, hashable
 from .unpickling import unpickle
 
 EXTRA_STATE_KEY = "_extra_state"  # nn.Module's name for it in state dicts

@@ -14,8 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import fastcast as fc
-from fastcast import delayed, kernels
-from fastcast.delayed import ScalingMeta, ScalingOrigin, Slab
+from fastcast import kernels
 from fastcast.formats import ELEMENT_MAX, FP8_DTYPES
 from fastcast.kernels import build, choice
 from fastcast.quantize import tensorwise
@@ -25,6 +24,8 @@ from fastcast.quantize.tensorwise import (
     quantize_with_scale,
 )
 from fastcast.reference.cast import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
+from fastcast.schemes.delayed import ScalingMeta, ScalingOrigin, Slab
+from fastcast.schemes.delayed import state as delayed_state
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FORMATS = ("e4m3", "e5m2")
@@ -493,7 +494,7 @@ def test_fused_delayed_update_equals_reference(op, rows, cols, fmt, margin, algo
             slab.update()
         else:
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(delayed, "fused_op", lambda name, x: None)
+                mp.setattr(delayed_state, "fused_op", lambda name, x: None)
                 slab.update()
         return slab.history.view(torch.int32), slab.scale.view(torch.int32)
 

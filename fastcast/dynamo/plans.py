@@ -17,7 +17,7 @@ from ..nn.linear import plan_for
 from ..nn.weight_cache import WeightCache, quantize_weight
 from ..recompute import checkpoint_region
 from ..schemes import Plan, Scheme, scheme_for
-from ..schemes.delayed import DelayedScalingScheme
+from ..schemes.delayed.scheme import DelayedScalingScheme
 from ..state import AutocastFrame
 from .delayed import traced_delayed_plan
 

@@ -4,7 +4,7 @@ The one stateful scheme, and everything it means lives here:
 
 - per module (saved in its checkpoints): a ``ScalingMeta`` per direction, forward
   (input, weight) and backward (grad_output), whose tensors are column views into one
-  ``Slab`` per (autocast key, direction, device) (``fastcast.delayed``), so an update
+  ``Slab`` per (autocast key, direction, device) (``state.py``), so an update
   costs a fixed number of tensor operations whatever the number of modules;
 - per owner (``DelayedState``): the slabs, and which of them recorded amaxes since
   their last update. The owner is the asyncio task running the module, or the thread
@@ -34,14 +34,14 @@ from typing import Any, ClassVar
 import torch
 from torch.autograd import Variable
 
-from ..delayed import BACKWARD, FORWARD, ScalingMeta, ScalingOrigin, Slab
-from ..profiling import annotate
-from ..quantize.base import Quantizer
-from ..quantize.tensorwise import DelayedScalingQuantizer, FixedScaleQuantizer, record_amax
-from ..recipe import DelayedScaling
-from ..state import AutocastFrame, Stack, ThreadState, note_stateful_thread, thread_state
-from ..tensor import TENSORWISE
-from .base import Plan, Scheme, register_scheme
+from ...profiling import annotate
+from ...quantize.base import Quantizer
+from ...quantize.tensorwise import DelayedScalingQuantizer, FixedScaleQuantizer, record_amax
+from ...recipe import DelayedScaling
+from ...state import AutocastFrame, Stack, ThreadState, note_stateful_thread, thread_state
+from ...tensor import TENSORWISE
+from ..base import Plan, Scheme, register_scheme
+from .state import BACKWARD, FORWARD, ScalingMeta, ScalingOrigin, Slab
 
 
 class DelayedState:

@@ -1,6 +1,6 @@
 """Delayed scaling storage: amax histories and scales, updated in batches.
 
-What the recipe means, and when updates happen, is ``schemes/delayed.py``; this module
+What the recipe means, and when updates happen, is ``scheme.py`` beside it; this module
 holds the tensors.
 
 Every module keeps, per direction (forward: input and weight; backward: grad_output), a
@@ -20,11 +20,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .formats import ELEMENT_MAX, FP32_MAX
-from .kernels import fused_op
-from .recipe import DelayedScaling
-from .reference.amax import delayed_update_reference
-from .reference.cast import min_scale, scale_from_amax
+from ...formats import ELEMENT_MAX, FP32_MAX
+from ...kernels import fused_op
+from ...recipe import DelayedScaling
+from ...reference.amax import delayed_update_reference
+from ...reference.cast import min_scale, scale_from_amax
 
 FORWARD, BACKWARD = 0, 1
 
@@ -102,6 +102,11 @@ class ScalingMeta:
             torch.zeros(history_len, n, device=device),
             torch.ones(n, device=device),
         )
+
+    @property
+    def device(self) -> torch.device:
+        """Where the history and scales are (``schemes.base.ModuleState``)."""
+        return self.history.device
 
     def _own(self, history: torch.Tensor, scale: torch.Tensor) -> None:
         """Point at ``history``/``scale`` (standalone tensors or views into a slab)."""
@@ -271,7 +276,7 @@ class Slab:
         self.fmt = fmt
         self.members: list[weakref.ref[ScalingMeta]] = []
         self.lost_members = False
-        self.owner: Any = None  # the per-thread state that made it (schemes/delayed.py)
+        self.owner: Any = None  # the owner state that made it (scheme.py: DelayedState)
         self.history = torch.zeros(recipe.amax_history_len, 0, device=device)
         self.scale = torch.ones(0, device=device)
 
@@ -329,7 +334,7 @@ class Slab:
         recipe = self.recipe
         history = self.history
         if self.group is not None and recipe.reduce_amax:
-            from .distributed import all_reduce_max  # noqa: PLC0415 - only with a group
+            from ...distributed import all_reduce_max  # noqa: PLC0415 - only with a group
 
             all_reduce_max(history[0], self.group)
         algo = recipe.amax_compute_algo

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from .delayed import BACKWARD, FORWARD, ScalingMeta
-from .pickles import AllowList
-from .unpickling import TORCH_ALLOW_LIST
+from ...pickles import AllowList
+from ...unpickling import TORCH_ALLOW_LIST
+from .state import BACKWARD, FORWARD, ScalingMeta
 
 TE_RECIPE_MODULE = "transformer_engine.common.recipe"
 # The classes of that module a TransformerEngine recipe object is pickled with: the recipes
