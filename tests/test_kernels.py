@@ -510,3 +510,13 @@ def test_fused_delayed_update_equals_reference(op, rows, cols, fmt, margin, algo
             assert got[1][j].view(torch.float32).item() == pytest.approx(expect, rel=2**-23)
         elif history[0, j] <= 0 or math.isnan(history[0, j]):
             assert got[1][j] == scale[j : j + 1].view(torch.int32)
+
+
+def test_delayed_update_operator_schema_and_fake(op):
+    """The update operator declares the tensors it writes (history and scale), so that
+    fake tensors, functionalization and AOT dispatch treat it right (torch's opcheck)."""
+    history = torch.tensor([[3.0, 0.0, 1.0], [2.0, 5.0, 0.5]])
+    scale = torch.tensor([1.0, 2.0, 4.0])
+    args = (history, scale, 448.0, 448.0 / torch.finfo().max, 0.0, False)
+    results = torch.library.opcheck(choice.registered_op("delayed_update"), args)
+    assert set(results.values()) == {"SUCCESS"}
