@@ -5,8 +5,8 @@ Each test builds N ``fc.Linear(16, 16)`` modules and runs one forward of each un
 pending), which gives their forward amax histories columns in one slab of the thread's
 delayed-scaling registry. The timed function is only the forward update, as the
 outermost autocast's exit runs it: mark the forward slab pending, then
-``DelayedThreadState.end(FORWARD)`` (reduce nothing without a process group, compute the new
-scales from the amax window, roll the history).
+``DelayedState.end(FORWARD)`` of the thread's own owner (reduce nothing without a process
+group, compute the new scales from the amax window, roll the history).
 
 Each test runs on a registry of its own (the thread's registry is swapped out and put
 back afterwards): equal recipes share one slab, so with a shared registry the modules
@@ -17,20 +17,28 @@ Before timing, the Python-level function calls of one update are counted with
 ``sys.setprofile`` and stored in the extra info: ``python_calls`` (Python functions)
 and ``c_calls`` (builtins and methods implemented in C, tensor operations included).
 Both should be the same for every N.
+
+``python -m bench.bench_delayed [rounds]`` compares an ``fc.Linear`` forward+backward
+under ``DelayedScaling`` with the same under ``Float8CurrentScaling`` (16x16 and
+256x256 layers, 32 tokens), interleaved A/B (each round times one step of each, so
+machine load hits both alike), and prints the medians, their ratio (target <= 1.2) and
+the ATen operations one step dispatches.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastcast as fc
-from fastcast.delayed import FORWARD
 from fastcast.runtime.state import thread_state
-from fastcast.schemes.delayed import DelayedScalingScheme, DelayedThreadState
+from fastcast.schemes.delayed import FORWARD, DelayedScalingScheme, DelayedState, DelayedThreadState
 
 INNER = 10
 FEATURES = 16
@@ -64,12 +72,12 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture
-def own_registry() -> Iterator[DelayedThreadState]:
+def own_registry() -> Iterator[DelayedState]:
     """This thread's delayed-scaling state, emptied; the previous one is restored after."""
     schemes = thread_state().schemes
     saved = schemes.pop(DelayedScalingScheme, None)
     try:
-        yield DelayedThreadState.of(thread_state())
+        yield DelayedThreadState.of(thread_state()).own
     finally:
         schemes.pop(DelayedScalingScheme, None)
         if saved is not None:
@@ -124,3 +132,70 @@ def test_update(benchmark, own_registry, n):
     benchmark.extra_info["python_calls"] = python_calls
     benchmark.extra_info["c_calls"] = c_calls
     benchmark(loop)
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the ATen operations dispatched (a fused operator counts as one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def linear_ab(features: int, rounds: int = 300, tokens: int = 32) -> dict[str, tuple[float, int]]:
+    """Median microseconds and ATen operations of one ``fc.Linear(features, features)``
+    forward+backward step per recipe (``"current"``, ``"delayed"``), timed interleaved."""
+    recipes = {"current": fc.Float8CurrentScaling(), "delayed": fc.DelayedScaling()}
+    gen = torch.Generator().manual_seed(0)
+    setups = {}
+    for name in recipes:
+        torch.manual_seed(0)
+        layer = fc.Linear(features, features)
+        x = torch.randn(tokens, features, generator=gen).requires_grad_()
+        setups[name] = (layer, x)
+
+    def step(name: str) -> None:
+        layer, x = setups[name]
+        with fc.autocast(recipe=recipes[name]):
+            out = layer(x)
+        out.sum().backward()
+        x.grad = layer.weight.grad = layer.bias.grad = None
+
+    ops = {}
+    for name in recipes:
+        for _ in range(10):  # plans, slabs and kernels made outside the timing
+            step(name)
+        with _CountOps() as counter:
+            step(name)
+        ops[name] = counter.count
+    times: dict[str, list[float]] = {name: [] for name in recipes}
+    for _ in range(rounds):
+        for name in recipes:
+            start = time.perf_counter()
+            step(name)
+            times[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(times[name]) * 1e6, ops[name]) for name in recipes}
+
+
+def main(rounds: int = 300) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the pytest benchmarks run
+    try:
+        for features in (16, 256):
+            got = linear_ab(features, rounds)
+            (cur, cur_ops), (dly, dly_ops) = got["current"], got["delayed"]
+            print(
+                f"fc.Linear({features}, {features}) fwd+bwd, 32 tokens: current {cur:.1f} us "
+                f"({cur_ops} ATen ops), delayed {dly:.1f} us ({dly_ops} ATen ops), "
+                f"delayed / current {dly / cur:.3f} (target <= 1.2)"
+            )
+    finally:
+        torch.set_num_threads(threads)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 300)

@@ -59,6 +59,21 @@ TARGETS = [
     ),
     (
         GROUP,
+        "test_fc_linear_delayed",
+        "test_fc_linear_current",
+        1.2,
+        "fc.Linear fwd+bwd, delayed scaling / current scaling",
+    ),
+    (
+        GROUP,
+        "test_fc_linear_delayed",
+        None,
+        25,
+        "fc.Linear fwd+bwd (delayed scaling): ATen ops per iteration",
+        "aten_ops",
+    ),
+    (
+        GROUP,
         "test_fc_linear_outside_autocast",
         "test_nn_linear",
         1.2,

@@ -32,13 +32,13 @@ import torch
 from torch._dynamo import assume_constant_result
 from torch._dynamo.comptime import comptime
 
-from ..delayed import BACKWARD, FORWARD
 from ..quantizers.tensorwise import DelayedScalingQuantizer, record_amax
 from ..recipe import DelayedScaling
 from ..runtime import state as _state
 from ..runtime.state import AutocastFrame, Stack
 from ..schemes import Plan, scheme_for
-from ..schemes.delayed import DelayedScalingScheme
+from ..schemes.delayed.scheme import DelayedScalingScheme
+from ..schemes.delayed.state import BACKWARD, FORWARD
 
 
 def traced_delayed_plan(module: Any, frame: AutocastFrame) -> Plan:
@@ -59,7 +59,7 @@ def traced_delayed_plan(module: Any, frame: AutocastFrame) -> Plan:
         comptime(_refuse_inside)
     # The recipe goes by value (its type and fields): an equal recipe does not recompile.
     _join_delayed(module, type(recipe), recipe._values)
-    fwd, bwd = module._metas[FORWARD], module._metas[BACKWARD]
+    fwd, bwd = module._scheme_state[FORWARD], module._scheme_state[BACKWARD]
     # Guards on these objects' identities: a module given new metas (a checkpoint load)
     # or moved to another slab is traced, and so joined, again.
     _identities(fwd, bwd, fwd.slab, bwd.slab)
@@ -183,7 +183,7 @@ def _join_delayed(module: Any, recipe_type: type[DelayedScaling], values: tuple)
     module's metas to this thread's slabs, once per trace (see ``join_compiled``)."""
     recipe = recipe_type(*values)  # equal to the frame's recipe: the same slabs
     params = [p for p in (module.weight, module.bias) if p is not None]
-    scheme_for(recipe).join_compiled(AutocastFrame(True, recipe), module._metas, params)
+    scheme_for(recipe).join_compiled(AutocastFrame(True, recipe), module._scheme_state, params)
     return True
 
 

@@ -18,7 +18,7 @@ from ..nn.recompute import checkpoint_region
 from ..nn.weight_cache import WeightCache, quantize_weight
 from ..runtime.state import AutocastFrame
 from ..schemes import Plan, Scheme, scheme_for
-from ..schemes.delayed import DelayedScalingScheme
+from ..schemes.delayed.scheme import DelayedScalingScheme
 from .delayed import traced_delayed_plan
 
 

@@ -41,7 +41,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..delayed import FORWARD
 from ..formats import ELEMENT_MAX, FP8_DTYPES
 from ..quantizers.base import transposed_codes
 from ..quantizers.tensorwise import (
@@ -53,6 +52,7 @@ from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from ..reference.cast import scale_from_amax, tensor_amax
 from ..runtime.state import get_stack, optimizer_steps
 from ..schemes import scheme_for
+from ..schemes.delayed.state import FORWARD
 from ..tensor import WHOLE, Float8Tensor
 from .amax import all_reduce_max
 
@@ -204,11 +204,12 @@ class FSDPFloat8Weight(torch.Tensor):
             if plan is None or not plan.matches(frame):
                 # Not stored on the module: under torch.compile its forward builds plans of
                 # its own (fastcast.compile), and a stored one would reach the trace.
-                plan = scheme_for(frame.recipe).plan(frame, module._metas, self._tensor.device)
+                device = self._tensor.device
+                plan = scheme_for(frame.recipe).plan(frame, module._scheme_state, device)
             quantizer = plan.weight_q
             scale = quantizer.scale.clone()  # the scale it casts with (updated in place later)
             return scale, quantizer, quantizer.quantize(self._tensor)
-        scale = module._metas[FORWARD].scale_views[1].clone()
+        scale = module._scheme_state[FORWARD].scale_views[1].clone()
         return scale, None, quantize_with_scale(self._tensor, scale, self.fmt, True, False)
 
     def fsdp_pre_all_gather(

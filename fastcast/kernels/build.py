@@ -69,6 +69,7 @@ OPS = (
     "quantize_tensorwise",
     "record_amax",
     "quantize_recording",
+    "delayed_update",
     "quantize_blocks",
     "quantize_rows",
     "quantize_mxfp8",

@@ -38,6 +38,18 @@ def _record_amax(slot: torch.Tensor, x: torch.Tensor) -> None:
     return None
 
 
+@torch.library.register_fake("fastcast_kernels::delayed_update")
+def _delayed_update(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    target: float,
+    floor: float,
+    min_scale: float,
+    most_recent: bool,
+) -> None:
+    return None
+
+
 @torch.library.register_fake("fastcast_kernels::quantize_recording")
 def _quantize_recording(
     x: torch.Tensor, scale: torch.Tensor, slot: torch.Tensor, dtype: torch.dtype

@@ -8,13 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..delayed import ScalingMeta
 from ..distributed import is_dtensor
 from ..profiling import annotate
 from ..quantizers.base import check_input
 from ..recipe import Recipe
 from ..runtime.state import OUTSIDE, AutocastFrame, get_stack, mark_ran
-from ..schemes import Plan, scheme_for
+from ..schemes import ModuleState, Plan, follow_device, reset_module_state, scheme_for
 from ..serialization.extra_state import (
     EXTRA_STATE_KEY,
     decode_extra_state,
@@ -77,8 +76,9 @@ class Linear(nn.Linear):
         # Runtime-only state: rebuilt after pickling, never part of the state dict.
         self._plan: Plan | None = None
         self._weight_cache = WeightCache()
-        # Per-module state of stateful schemes (delayed scaling: direction -> ScalingMeta).
-        self._metas: dict[int, ScalingMeta] = {}
+        # Per-module state of stateful schemes (schemes.base.ModuleState values; delayed
+        # scaling keeps one per direction), saved in the extra state.
+        self._scheme_state: dict[Any, ModuleState] = {}
 
     def _get_name(self) -> str:
         # What repr prints: fastcast.Linear(in_features=.., out_features=.., bias=..).
@@ -168,25 +168,26 @@ class Linear(nn.Linear):
         device = self.weight.device
         if device.type == "meta":  # materialised later by to_empty(), which _apply follows
             device = torch.device("cpu")
-        scheme_for(recipe).prepare(recipe, self._metas, device)
+        scheme_for(recipe).prepare(recipe, self._scheme_state, device)
 
     def get_extra_state(self) -> torch.Tensor:
         """A 1-D float32 CPU tensor (layout: ``fastcast.serialization.extra_state``)."""
-        return encode_extra_state(self._metas)
+        return encode_extra_state(self._scheme_state)
 
     def set_extra_state(self, state: Any) -> None:
         # A state that _load_from_state_dict (or the model's pre-hook) already decoded is
         # taken as it is; any other is decoded here.
         checked = self.__dict__.pop("_fc_checked", None)
         if checked is not None and checked[0] is state:
-            metas = checked[1]
+            scheme_state = checked[1]
         else:
-            metas = decode_extra_state(state, owner=self._where())
-        # The old metas are simply dropped: slabs hold members weakly and compact dead
-        # columns at their next update (leaving each slab now would rebuild it per module).
-        _follow_weight(metas, self._parameters["weight"])
+            scheme_state = decode_extra_state(state, owner=self._where())
+        # The old state is simply dropped (delayed scaling's slabs hold members weakly and
+        # compact dead columns at their next update; leaving each slab now would rebuild
+        # it per module).
+        follow_device(scheme_state, self._parameters["weight"].device)
         # Plain attributes: __dict__ directly, as nn.Module.__setattr__ would (faster).
-        self.__dict__.update(_metas=metas, _plan=None)
+        self.__dict__.update(_scheme_state=scheme_state, _plan=None)
         self._weight_cache.clear()
 
     def _load_from_state_dict(
@@ -204,12 +205,12 @@ class Linear(nn.Linear):
         if key in state_dict:
             # Decoded (validated) before nn.Module writes any parameter, so a refused
             # state leaves the module as it was; nn.Module then hands it to
-            # set_extra_state, which takes the decoded metas.
+            # set_extra_state, which takes the decoded state.
             state = state_dict[key]
             checked = self.__dict__.get("_fc_checked")  # by a pre-hook, in this load
             if checked is None or checked[0] is not state or checked[2] is not missing_keys:
-                metas = decode_extra_state(state, owner=self._where(key))
-                self.__dict__["_fc_checked"] = (state, metas, missing_keys)
+                decoded = decode_extra_state(state, owner=self._where(key))
+                self.__dict__["_fc_checked"] = (state, decoded, missing_keys)
             super()._load_from_state_dict(state_dict, prefix, *args)
             return
         # nn.Linear's checkpoint (or a partial one): not a missing key, even with
@@ -218,41 +219,30 @@ class Linear(nn.Linear):
         if key in missing_keys:
             missing_keys.remove(key)
         if prefix + "weight" in state_dict:
-            for meta in self._metas.values():
-                meta.reset()
+            reset_module_state(self._scheme_state)
             self._weight_cache.clear()
 
     def _apply(self, fn: Any, recurse: bool = True) -> Linear:
         super()._apply(fn, recurse)
-        _follow_weight(self._metas, self.weight)
+        follow_device(self._scheme_state, self.weight.device)
         self._plan = None
         self._weight_cache.clear()
         return self
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
+        # Pickled as its extra-state tensor, under the key older versions used.
         state["_metas"] = self.get_extra_state()
         # Runtime-only: rebuilt by _init_runtime on unpickling.
-        del state["_plan"], state["_weight_cache"]
+        del state["_scheme_state"], state["_plan"], state["_weight_cache"]
         state.pop("_fc_checked", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        metas = legacy_pickled_state(state.pop("_metas", None))
+        saved = legacy_pickled_state(state.pop("_metas", None))
         self.__dict__.update(state)
         self._init_runtime()
-        self.set_extra_state(metas)
-
-
-def _follow_weight(metas: dict[int, ScalingMeta], weight: torch.Tensor) -> None:
-    """Move ``metas`` to ``weight``'s device. Scales stay FP32 whatever the parameters'
-    dtype; they do not follow to the meta device, which would lose their values."""
-    device = weight.device
-    if device.type == "meta":
-        return
-    for meta in metas.values():
-        if meta.history.device != device:
-            meta.move_to(device)
+        self.set_extra_state(saved)
 
 
 def validate_extra_states(
@@ -282,8 +272,8 @@ def validate_extra_states(
                 checked.append((sub, state, decode_extra_state(state, sub._where(key))))
     # All valid: each module takes its decoded state when the load reaches it (if it is
     # still the same object then), rather than decoding it a second time.
-    for sub, state, metas in checked:
-        sub.__dict__["_fc_checked"] = (state, metas, missing_keys)
+    for sub, state, decoded in checked:
+        sub.__dict__["_fc_checked"] = (state, decoded, missing_keys)
 
 
 def guard_loads(module: nn.Module) -> None:
@@ -327,7 +317,7 @@ def plan_for(module: Linear, frame: AutocastFrame, weight: torch.Tensor) -> Plan
     plan = module._plan
     if plan is None or not plan.matches(frame):
         scheme = scheme_for(frame.recipe)
-        plan = module._plan = scheme.plan(frame, module._metas, weight.device)
+        plan = module._plan = scheme.plan(frame, module._scheme_state, weight.device)
     return plan
 
 

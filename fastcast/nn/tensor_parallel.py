@@ -209,7 +209,7 @@ def _build_plan(module: Any, frame: AutocastFrame, style: str, mesh: Any, w: tor
                 "fc.autocast(amax_reduction_group=...) containing the tensor-parallel group, "
                 "so that every shard's amax reaches the one history all ranks scale from"
             )
-        return scheme.plan(frame, module._metas, w.device)
+        return scheme.plan(frame, module._scheme_state, w.device)
     block = next((b for t, b in _BLOCKS.items() if isinstance(recipe, t)), None)
     if block is not None:
         _check_blocks(w, style, block, recipe)

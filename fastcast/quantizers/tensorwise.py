@@ -150,14 +150,16 @@ class DelayedScalingQuantizer:
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
     ) -> Float8Tensor:
         check_input(x)
+        # Through the property, once: compiled code overrides it (dynamo/delayed.py).
+        scale = self.scale
         if self.recording:
-            slot, scale = self.meta.amax_slots[self.index], self.scale
+            slot = self.meta.amax_slots[self.index]
             op = _scalar_op("quantize_recording", x, scale, slot)
             if op is not None:  # one pass over x
                 data, scale_inv = op(x, scale, slot, FP8_DTYPES[self.fmt])
                 return _float8(x, self.fmt, data, scale_inv, rowwise, columnwise)
             record_amax(slot, x)
-        return quantize_with_scale(x, self.scale, self.fmt, rowwise, columnwise)
+        return quantize_with_scale(x, scale, self.fmt, rowwise, columnwise)
 
 
 class FixedScaleQuantizer:

@@ -12,16 +12,29 @@ from ..recipe import DelayedScaling, MXFP8BlockScaling, Recipe
 from ..runtime.hardware import cuda_capability, has_kernel, on_refresh
 from ..tensor import MXFP8, QuantizedTensor
 from . import block, current, custom, delayed, mx, nvfp4, per_row  # noqa: F401 - register
-from .base import DEFAULT_ALIGNMENT, Plan, Scheme, recipe_support, register_scheme, scheme_for
+from .base import (
+    DEFAULT_ALIGNMENT,
+    ModuleState,
+    Plan,
+    Scheme,
+    follow_device,
+    recipe_support,
+    register_scheme,
+    reset_module_state,
+    scheme_for,
+)
 
 __all__ = [
     "DEFAULT_ALIGNMENT",
+    "ModuleState",
     "Plan",
     "Scheme",
     "default_recipe",
+    "follow_device",
     "quantize",
     "recipe_support",
     "register_scheme",
+    "reset_module_state",
     "scheme_for",
 ]
 

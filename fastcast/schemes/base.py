@@ -9,7 +9,7 @@ quantizer module, with nothing else edited.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -90,6 +90,42 @@ class Plan:
         """A high-precision forward under ``calibrating=True``: record what state needs."""
 
 
+class ModuleState(Protocol):
+    """One value of a module's per-module scheme state (``module_state``: key -> value,
+    kept by the module, made by ``Scheme.prepare``/``Scheme.plan``, saved in its extra
+    state by ``fastcast.serialization.extra_state``). Delayed scaling's is
+    ``ScalingMeta``. The module handles it only through this protocol and the functions below."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where its tensors are."""
+        ...
+
+    def move_to(self, device: torch.device) -> None:
+        """Carry its values to ``device`` (the module's weight moved)."""
+        ...
+
+    def reset(self) -> None:
+        """Start afresh, in place (the module's weights were replaced)."""
+        ...
+
+
+def follow_device(module_state: dict[Any, ModuleState], device: torch.device) -> None:
+    """Move ``module_state`` to ``device`` (a module's weight's). Not to the meta device,
+    which would lose its values (``to_empty`` materialises the weight later)."""
+    if device.type == "meta":
+        return
+    for value in module_state.values():
+        if value.device != device:
+            value.move_to(device)
+
+
+def reset_module_state(module_state: dict[Any, ModuleState]) -> None:
+    """Reset every value of ``module_state`` in place."""
+    for value in module_state.values():
+        value.reset()
+
+
 class Scheme:
     """The meaning of one recipe type. Subclasses set ``family`` and ``quantizer``;
     stateful ones override ``plan`` too."""
@@ -122,17 +158,20 @@ class Scheme:
         """``(input, weight, grad_output)`` quantizers."""
         return tuple(self.quantizer(recipe, role, group) for role in ROLES)
 
-    def prepare(self, recipe: Recipe, module_state: dict[Any, Any], device: torch.device) -> None:
+    def prepare(
+        self, recipe: Recipe, module_state: dict[Any, ModuleState], device: torch.device
+    ) -> None:
         """Create the per-module state ``recipe`` keeps (none when stateless), before the
         module first runs: a freshly built model then has the state-dict layout a trained
         one saves, which loaders that fill tensors in place (DCP) need."""
 
     def plan(
-        self, frame: AutocastFrame, module_state: dict[Any, Any], device: torch.device
+        self, frame: AutocastFrame, module_state: dict[Any, ModuleState], device: torch.device
     ) -> Plan:
         """A module's plan for ``frame``; stateful schemes keep per-module state in
-        ``module_state`` (the module's; the checkpoint format saves ``ScalingMeta``s per
-        direction, and refuses to save anything else rather than drop it)."""
+        ``module_state`` (the module's, values following ``ModuleState``; the checkpoint
+        format saves delayed scaling's per direction, and refuses to save anything else
+        rather than drop it)."""
         recipe = frame.recipe
         quantizers = self.quantizers(recipe, frame.group)
         return Plan(

@@ -51,7 +51,9 @@ from typing import Any
 
 import torch
 
-from ..delayed import (
+from ..formats import FP8_FORMATS
+from ..runtime.state import UnsafeExtraState, unsafe_extra_state_allowed
+from ..schemes.delayed.state import (
     BACKWARD,
     FORWARD,
     UNKNOWN_ORIGIN,
@@ -59,8 +61,6 @@ from ..delayed import (
     ScalingOrigin,
     check_scaling_tensors,
 )
-from ..formats import FP8_FORMATS
-from ..runtime.state import UnsafeExtraState, unsafe_extra_state_allowed
 from .pickle_model import describe_pickle, payload_bytes
 from .transformer_engine import (
     TE_ALLOW_LIST,

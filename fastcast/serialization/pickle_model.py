@@ -16,7 +16,8 @@ listing only what it could see.
 
 Given an ``AllowList`` (what a restricted unpickler would give for each global), the
 description also lists what that unpickler refuses. Loading is ``unpickling.py``; this
-module knows nothing of any library's format (``te_state.py`` adds TransformerEngine's).
+module knows nothing of any library's format (``schemes/delayed/te_state.py`` adds
+TransformerEngine's).
 """
 
 from __future__ import annotations

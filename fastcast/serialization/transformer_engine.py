@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..delayed import BACKWARD, FORWARD, ScalingMeta
+from ..schemes.delayed.state import BACKWARD, FORWARD, ScalingMeta
 from .pickle_model import AllowList
 from .unpickling import TORCH_ALLOW_LIST
 

@@ -5,7 +5,8 @@ what an ``AllowList`` names, after ``pickles.inspect_pickle`` described the payl
 without surprises. Tensors and storages are rebuilt here (``TORCH_ALLOW_LIST``), never
 by torch's own loader: every size the payload claims is checked against the bytes it
 holds before anything is allocated, and loaded tensors are plain data (no autograd, no
-state set on them). Nothing here knows any library's format; ``te_state.py`` extends
+state set on them). Nothing here knows any library's format;
+``schemes/delayed/te_state.py`` extends
 ``TORCH_ALLOW_LIST`` with TransformerEngine's recipe classes.
 """
 

@@ -14,7 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils.checkpoint import checkpoint
 
 import fastcast as fc
-from fastcast.delayed import BACKWARD, FORWARD, Slab
+from fastcast.schemes.delayed import BACKWARD, FORWARD, Slab
 
 pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -51,7 +51,7 @@ def _train(model, run, xs, counts):
         loss.backward()
         opt.step()
         losses.append(loss.detach())
-    metas = next(m for m in model.modules() if isinstance(m, fc.Linear))._metas
+    metas = next(m for m in model.modules() if isinstance(m, fc.Linear))._scheme_state
     updates = [counts.get(metas[direction].slab, 0) for direction in (FORWARD, BACKWARD)]
     return losses, [p.grad.clone() for p in model.parameters()], updates
 

@@ -131,7 +131,7 @@ def test_linear_trains_on_the_device(recipe):
     for p in model.parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all()
     if isinstance(recipe, fc.DelayedScaling):
-        meta = model[0]._metas[0]
+        meta = model[0]._scheme_state[0]
         assert meta.scale.device.type == "cuda"
         assert not torch.equal(meta.scale, torch.ones_like(meta.scale))  # updated on exit
 

@@ -80,10 +80,10 @@ def _train(recipe, ckpt, steps=3, seed=0, backward_inside=False):
         opt.step()
         opt.zero_grad()
     scales = [
-        m._metas[d].scale.clone()
+        m._scheme_state[d].scale.clone()
         for m in model.modules()
         if isinstance(m, fc.Linear)
-        for d in sorted(m._metas)
+        for d in sorted(m._scheme_state)
     ]
     return grads, scales
 
@@ -168,7 +168,7 @@ def test_backward_scales_update_when_the_first_module_is_unused():
                 aux(x)  # an auxiliary head whose output is not used: its backward never runs
                 y = main(x)
             y.sum().backward()
-        return main._metas[1].scale.clone(), main.weight.grad.clone()
+        return main._scheme_state[1].scale.clone(), main.weight.grad.clone()
 
     scale, wgrad = in_thread(run)
     assert scale.item() != 1.0 and torch.isfinite(scale).all()

@@ -24,6 +24,8 @@ from fastcast.quantizers.tensorwise import (
     quantize_with_scale,
 )
 from fastcast.reference.cast import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
+from fastcast.schemes.delayed import ScalingMeta, ScalingOrigin, Slab
+from fastcast.schemes.delayed import state as delayed_state
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FORMATS = ("e4m3", "e5m2")
@@ -458,3 +460,63 @@ def test_entry_points_dispatch_like_the_registered_operators(op):
         fake = op(mode.from_tensor(x), None, torch.float8_e4m3fn, False, 0.0, True, False)
     assert [tuple(t.shape) for t in fake] == [(6, 10), (), (0,)]
     assert fake[0].dtype == torch.float8_e4m3fn and type(fake[0]).__name__ == "FakeTensor"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.sampled_from([1, 2, 5]),
+    cols=st.integers(1, 6),
+    fmt=st.sampled_from(["e4m3", "e5m2"]),
+    margin=st.sampled_from([0, 1, 3]),
+    algo=st.sampled_from(["max", "most_recent"]),
+    seed=st.integers(0, 2**16),
+)
+@example(rows=3, cols=2, fmt="e4m3", margin=0, algo="max", seed=0)
+def test_fused_delayed_update_equals_reference(op, rows, cols, fmt, margin, algo, seed):
+    """A slab's update (new scales, rolled history, row 0 zeroed) is one fused operator
+    on the CPU with the reference's values bit for bit: columns that recorded nothing,
+    amaxes of zero, tiny, huge and non-finite windows, every margin and window rule."""
+    gen = torch.Generator().manual_seed(seed)
+    history = torch.rand(rows, cols, generator=gen) * torch.pow(
+        10.0, torch.randint(-44, 39, (rows, cols), generator=gen).float()
+    )
+    history[torch.rand(rows, cols, generator=gen) < 0.3] = 0.0
+    if seed % 5 == 0:
+        history[-1, 0] = float("inf") if seed % 2 else float("nan")
+    scale = torch.rand(cols, generator=gen) * 100 + 1e-3
+    recipe = fc.DelayedScaling(amax_history_len=rows, margin=margin, amax_compute_algo=algo)
+
+    def update(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        slab = Slab(recipe, None, fmt, torch.device("cpu"))
+        meta = ScalingMeta.holding(history.clone(), scale.clone(), ScalingOrigin.of(recipe, fmt))
+        slab._rebuild([meta])
+        if fused:
+            slab.update()
+        else:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(delayed_state, "fused_op", lambda name, x: None)
+                slab.update()
+        return slab.history.view(torch.int32), slab.scale.view(torch.int32)
+
+    got, want = update(True), update(False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # Independently, in float64: a column with a finite amax > 0 recorded this step
+    # takes fmt_max / amax / 2**margin (rounded once to FP32, clamped to the FP32 range).
+    window = history if algo == "max" else history[:1]
+    for j in range(cols):
+        amax = window[:, j].double().max().item()
+        if history[0, j] > 0 and math.isfinite(amax):
+            expect = min(ELEMENT_MAX[fmt] / amax / 2.0**margin, torch.finfo().max)
+            assert got[1][j].view(torch.float32).item() == pytest.approx(expect, rel=2**-23)
+        elif history[0, j] <= 0 or math.isnan(history[0, j]):
+            assert got[1][j] == scale[j : j + 1].view(torch.int32)
+
+
+def test_delayed_update_operator_schema_and_fake(op):
+    """The update operator declares the tensors it writes (history and scale), so that
+    fake tensors, functionalization and AOT dispatch treat it right (torch's opcheck)."""
+    history = torch.tensor([[3.0, 0.0, 1.0], [2.0, 5.0, 0.5]])
+    scale = torch.tensor([1.0, 2.0, 4.0])
+    args = (history, scale, 448.0, 448.0 / torch.finfo().max, 0.0, False)
+    results = torch.library.opcheck(choice.registered_op("delayed_update"), args)
+    assert set(results.values()) == {"SUCCESS"}

@@ -48,11 +48,11 @@ def assert_scale(actual, expected):
 
 
 def fwd_scale(lin):
-    return lin._metas[0].scale  # columns: input, weight
+    return lin._scheme_state[0].scale  # columns: input, weight
 
 
 def bwd_scale(lin):
-    return lin._metas[1].scale  # column: grad_output
+    return lin._scheme_state[1].scale  # column: grad_output
 
 
 def with_amax(shape, value, seed):
@@ -75,7 +75,7 @@ def test_first_step_scales():
             y = lin(x)
             # Inside the step: amaxes recorded, scales untouched (step 1 uses 1.0).
             assert torch.equal(fwd_scale(lin), torch.ones(2))
-            hist = lin._metas[0].history
+            hist = lin._scheme_state[0].history
             assert hist[0, 0].item() == 3.0
             assert hist[0, 1].item() == lin.weight.detach().abs().max().item()
         assert_scale(fwd_scale(lin)[0], expected_scale(3.0))
@@ -271,7 +271,7 @@ def test_backward_scales_update_after_the_last_modules_backward():
         def hook(grad):  # between the last layer's backward and the first layer's
             seen["last"] = bwd_scale(last).clone()
             seen["first"] = bwd_scale(first).clone()
-            seen["last_amax"] = last._metas[1].history[0, 0].clone()
+            seen["last_amax"] = last._scheme_state[1].history[0, 0].clone()
 
         x = torch.randn(64, 64)
         with fc.autocast(recipe=recipe):
@@ -381,7 +381,7 @@ def _step(model, x, recipe, use_checkpoint):
             y = checkpoint(model, x, use_reentrant=False, context_fn=fc.checkpoint_context)
         else:
             y = model(x)
-    scales = [fwd_scale(m).clone() for m in model if isinstance(m, fc.Linear) and m._metas]
+    scales = [fwd_scale(m).clone() for m in model if isinstance(m, fc.Linear) and m._scheme_state]
     y.pow(2).sum().backward()
     return y.detach(), x.grad, [p.grad for p in model.parameters()], scales
 
@@ -394,7 +394,8 @@ def test_checkpoint_gives_bitwise_identical_gradients(recipe):
     if isinstance(recipe, fc.DelayedScaling):
         # One step first, so that the scales are not the initial ones.
         isolated(_step, model, torch.randn(64, 64), recipe, False)
-    before = [fwd_scale(m).clone() for m in (model[0], model[2])] if model[0]._metas else None
+    stateful = model[0]._scheme_state
+    before = [fwd_scale(m).clone() for m in (model[0], model[2])] if stateful else None
     x = torch.randn(64, 64) * 6  # larger than before: the scales move at autocast exit
     plain = isolated(_step, copy.deepcopy(model), x, recipe, False)
     ckpt = isolated(_step, copy.deepcopy(model), x, recipe, True)
@@ -493,10 +494,10 @@ def test_state_dict_round_trip_through_torch_save_weights_only():
     fresh = fc.Linear(64, 32)
     assert fresh.load_state_dict(loaded).missing_keys == []
     for d in (0, 1):
-        assert torch.equal(fresh._metas[d].scale, lin._metas[d].scale)
-        assert torch.equal(fresh._metas[d].history, lin._metas[d].history)
-        assert fresh._metas[d].scale.data_ptr() != lin._metas[d].scale.data_ptr()
-    assert not torch.equal(fresh._metas[0].scale, torch.ones(2))
+        assert torch.equal(fresh._scheme_state[d].scale, lin._scheme_state[d].scale)
+        assert torch.equal(fresh._scheme_state[d].history, lin._scheme_state[d].history)
+        assert fresh._scheme_state[d].scale.data_ptr() != lin._scheme_state[d].scale.data_ptr()
+    assert not torch.equal(fresh._scheme_state[0].scale, torch.ones(2))
     # The next step of either module quantizes with the same scales.
     x = with_amax((32, 64), 9.0, 60)
     assert torch.equal(_next_step_output(fresh, x), _next_step_output(lin, x))
@@ -505,7 +506,7 @@ def test_state_dict_round_trip_through_torch_save_weights_only():
 def test_loading_state_into_a_module_that_has_run_replaces_its_scales():
     source, target = _trained(seed=61), _trained(seed=62)
     target.load_state_dict(source.state_dict())
-    assert torch.equal(target._metas[0].scale, source._metas[0].scale)
+    assert torch.equal(target._scheme_state[0].scale, source._scheme_state[0].scale)
     x = with_amax((32, 64), 1.0, 63)
     assert torch.equal(_next_step_output(target, x), _next_step_output(source, x))
 
@@ -563,15 +564,15 @@ def test_copies_have_equal_but_independent_scales(how):
         other = torch.load(buf, weights_only=False)
     assert torch.equal(other.weight, lin.weight)
     for d in (0, 1):
-        assert torch.equal(other._metas[d].scale, lin._metas[d].scale)
-        assert torch.equal(other._metas[d].history, lin._metas[d].history)
-    original = lin._metas[0].scale.clone()
-    other._metas[0].scale.mul_(2)  # changing the copy's scales ...
-    assert torch.equal(lin._metas[0].scale, original)  # ... leaves the original's alone
+        assert torch.equal(other._scheme_state[d].scale, lin._scheme_state[d].scale)
+        assert torch.equal(other._scheme_state[d].history, lin._scheme_state[d].history)
+    original = lin._scheme_state[0].scale.clone()
+    other._scheme_state[0].scale.mul_(2)  # changing the copy's scales ...
+    assert torch.equal(lin._scheme_state[0].scale, original)  # ... leaves the original's alone
     # Running the copy (and updating its scales) leaves the original alone too.
     x = with_amax((32, 64), 30.0, 70)
     _next_step_output(other, x)
-    assert torch.equal(lin._metas[0].scale, original)
+    assert torch.equal(lin._scheme_state[0].scale, original)
     # and both still run
     assert _next_step_output(lin, x).shape == (32, 32)
 
@@ -585,7 +586,7 @@ def test_module_that_ran_delayed_scaling_in_this_thread_copies_and_keeps_running
         with fc.autocast(recipe=recipe):
             lin(with_amax((32, 32), 2.0, 71)).sum().backward()
         twin = copy.deepcopy(lin)
-        assert torch.equal(twin._metas[0].scale, lin._metas[0].scale)
+        assert torch.equal(twin._scheme_state[0].scale, lin._scheme_state[0].scale)
         with fc.autocast(recipe=recipe):
             twin(with_amax((32, 32), 16.0, 72)).sum().backward()
         assert_scale(fwd_scale(twin)[0], expected_scale(16.0))
@@ -600,7 +601,7 @@ def test_discarded_modules_leave_the_registry():
         keep = fc.Linear(32, 32)
         with fc.autocast(recipe=recipe):
             keep(torch.randn(32, 32))
-        slab = keep._metas[0].slab
+        slab = keep._scheme_state[0].slab
         members = len(slab.members)
         for _ in range(3):
             tmp = fc.Linear(32, 32)
@@ -619,12 +620,12 @@ def test_discarded_modules_leave_the_registry():
 
 def test_scales_stay_fp32_when_parameters_change_dtype():
     lin = _trained()
-    scale = lin._metas[0].scale.clone()
+    scale = lin._scheme_state[0].scale.clone()
     lin.to(torch.bfloat16)
     assert lin.weight.dtype == torch.bfloat16
-    assert lin._metas[0].scale.dtype == torch.float32
-    assert torch.equal(lin._metas[0].scale, scale)
-    assert math.isfinite(lin._metas[1].scale.item())
+    assert lin._scheme_state[0].scale.dtype == torch.float32
+    assert torch.equal(lin._scheme_state[0].scale, scale)
+    assert math.isfinite(lin._scheme_state[1].scale.item())
 
 
 def test_backward_watch_hooks_a_weight_once_and_forgets_it_when_it_dies(monkeypatch):

@@ -477,7 +477,7 @@ def test_delayed_backward_scale_recovers_after_an_overflow():
         model, opt, scaler, moved = overflow_step(fc.DelayedScaling(), bias=True)
         assert not moved
         linears = [m for m in model if isinstance(m, fc.Linear)]
-        bwd = [lin._metas[1].scale for lin in linears]
+        bwd = [lin._scheme_state[1].scale for lin in linears]
         # the overflowing step records no backward amax: the scale stays where it was
         assert [s.item() for s in bwd] == [1.0, 1.0]
 
@@ -492,7 +492,7 @@ def test_delayed_backward_scale_recovers_after_an_overflow():
         assert train_step(model, opt, scaler, fc.DelayedScaling(), *inputs(overflow=False))
         assert scaler.get_scale() == 32768.0  # no overflow this time: the step is taken
         for i, lin in enumerate(linears):
-            scale = lin._metas[1].scale
+            scale = lin._scheme_state[1].scale
             amax = grads[i].double().abs().max().item()
             expected = torch.tensor([E5M2_MAX / amax], dtype=torch.float32)
             assert math.isfinite(scale.item()) and scale.item() != 1.0  # not stuck

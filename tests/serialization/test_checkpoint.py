@@ -81,9 +81,9 @@ def test_delayed_state_round_trips_through_weights_only_mmap_load(tmp_path):
     assert fresh.load_state_dict(loaded).missing_keys == []
     for i in (0, 2):
         for d in (0, 1):
-            assert torch.equal(fresh[i]._metas[d].scale, model[i]._metas[d].scale)
-            assert torch.equal(fresh[i]._metas[d].history, model[i]._metas[d].history)
-        assert not torch.equal(fresh[i]._metas[0].scale, torch.ones(2))
+            assert torch.equal(fresh[i]._scheme_state[d].scale, model[i]._scheme_state[d].scale)
+            assert torch.equal(fresh[i]._scheme_state[d].history, model[i]._scheme_state[d].history)
+        assert not torch.equal(fresh[i]._scheme_state[0].scale, torch.ones(2))
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(9)) * 5
     _assert_same_step(_step(fresh, x), _step(model, x))
 
@@ -264,7 +264,7 @@ def test_transformer_engine_state_loads_inside_the_opt_in(form, tmp_path):
     with fc.allow_unsafe_extra_state():
         lin.load_state_dict(sd)
 
-    fwd, bwd = lin._metas[0], lin._metas[1]
+    fwd, bwd = lin._scheme_state[0], lin._scheme_state[1]
     assert torch.equal(fwd.scale, torch.tensor([3.0, 5.0]))  # input, weight
     assert torch.equal(fwd.history, te["amax_history_fwd"][:, :2])
     assert torch.equal(bwd.scale, torch.tensor([1.0 / 3.0]))  # grad_output
@@ -307,8 +307,8 @@ def test_own_state_pickled_loads_inside_the_opt_in():
     with fc.allow_unsafe_extra_state():
         _load_extra(target, payload)
     for d in (0, 1):
-        assert torch.equal(target._metas[d].scale, source._metas[d].scale)
-        assert torch.equal(target._metas[d].history, source._metas[d].history)
+        assert torch.equal(target._scheme_state[d].scale, source._scheme_state[d].scale)
+        assert torch.equal(target._scheme_state[d].history, source._scheme_state[d].history)
 
 
 def test_transformer_engine_state_without_scales_is_stateless():
@@ -339,10 +339,10 @@ def test_transformer_engine_state_without_scales_is_stateless():
 def test_unexpected_transformer_engine_state_is_an_error(changes, match):
     payload = _te_pickle(_te_state(**changes), "pickle-bytes")
     lin = _train(fc.Linear(16, 8))
-    before = lin._metas[0].scale.clone()
+    before = lin._scheme_state[0].scale.clone()
     with fc.allow_unsafe_extra_state(), pytest.raises(ValueError, match=match):
         _load_extra(lin, payload)
-    assert torch.equal(lin._metas[0].scale, before)  # nothing half-loaded
+    assert torch.equal(lin._scheme_state[0].scale, before)  # nothing half-loaded
 
 
 def test_scale_inv_is_accepted_and_left_behind():
@@ -350,7 +350,7 @@ def test_scale_inv_is_accepted_and_left_behind():
     lin = fc.Linear(16, 8)
     with fc.allow_unsafe_extra_state():
         _load_extra(lin, _te_pickle(te, "pickle-bytes"))
-    assert torch.equal(lin._metas[0].scale, torch.tensor([3.0, 5.0]))
+    assert torch.equal(lin._scheme_state[0].scale, torch.tensor([3.0, 5.0]))
 
 
 @pytest.mark.parametrize(
@@ -419,7 +419,7 @@ def test_opt_in_is_per_thread():
             release.wait(30)
             mine = fc.Linear(16, 8)
             _load_extra(mine, payload)  # allowed here
-            results["other"] = mine._metas[0].scale.clone()
+            results["other"] = mine._scheme_state[0].scale.clone()
 
     thread = threading.Thread(target=other_thread_inside)
     thread.start()
@@ -444,7 +444,7 @@ def test_opt_in_is_per_thread():
         thread.join(30)
         _load_extra(lin, payload)  # while this one has
     assert "refusing" in results["refused"]
-    assert torch.equal(lin._metas[0].scale, torch.tensor([3.0, 5.0]))
+    assert torch.equal(lin._scheme_state[0].scale, torch.tensor([3.0, 5.0]))
 
 
 # -- a refused load changes nothing, however the model was built ------------------------------

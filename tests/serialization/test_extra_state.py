@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import fastcast as fc
-from fastcast.delayed import BACKWARD, FORWARD, ScalingMeta, ScalingOrigin
+from fastcast.schemes.delayed import BACKWARD, FORWARD, ScalingMeta, ScalingOrigin
 from fastcast.serialization.extra_state import decode_extra_state, encode_extra_state
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "extra_state"
@@ -281,12 +281,14 @@ def test_version_1_fixtures_load(tmp_path):
             model(torch.randn(8, 16))
 
     isolated(forward)
-    assert torch.equal(model[0]._metas[BACKWARD].scale, _expected_first_scale(history, "e5m2"))
+    bwd_scale = model[0]._scheme_state[BACKWARD].scale
+    assert torch.equal(bwd_scale, _expected_first_scale(history, "e5m2"))
 
     whole = torch.load(FIXTURES / "v1_model.pt", weights_only=False)
     for i in (0, 2):
         assert torch.equal(
-            whole[i]._metas[FORWARD].history, raw[f"{i}._extra_state"]["forward"]["amax_history"]
+            whole[i]._scheme_state[FORWARD].history,
+            raw[f"{i}._extra_state"]["forward"]["amax_history"],
         )
 
 
@@ -304,21 +306,21 @@ def test_version_2_fixtures_load_and_save_back_bit_for_bit():
     assert pt.keys() == raw.keys() and all(torch.equal(pt[k], raw[k]) for k in raw)
 
     # Same recipe as saved: the scales go on unchanged (the origin matches).
-    before = model[0]._metas[FORWARD].scale.clone()
+    before = model[0]._scheme_state[FORWARD].scale.clone()
 
     def forward():
         with torch.no_grad(), fc.autocast(recipe=fc.DelayedScaling(amax_history_len=8)):
             model(torch.randn(8, 16))
 
     isolated(forward)
-    assert torch.equal(model[0]._metas[FORWARD].scale, before)
+    assert torch.equal(model[0]._scheme_state[FORWARD].scale, before)
 
 
 # -- a different recipe or history length -------------------------------------------------------
 def _trained_state(recipe):
     lin = _steps(fc.Linear(16, 8), recipe, steps=5)
     return lin.state_dict(), {
-        d: (m.history.clone(), m.scale.clone()) for d, m in lin._metas.items()
+        d: (m.history.clone(), m.scale.clone()) for d, m in lin._scheme_state.items()
     }
 
 
@@ -337,13 +339,13 @@ def test_another_history_length_keeps_the_newest_amaxes(new_len):
     lin.load_state_dict(sd)
     _first_forward(lin, fc.DelayedScaling(amax_history_len=new_len))
     for d, (history, scale) in saved.items():
-        new = lin._metas[d].history
+        new = lin._scheme_state[d].history
         assert new.shape == (new_len, history.shape[1])
         past = min(new_len, 8) - 1
         if past:  # rows 1.. are oldest first: the newest `past` rows end both histories
             assert torch.equal(new[new_len - past :], history[8 - past :])
         assert new[1 : new_len - past].eq(0).all()
-        assert torch.equal(lin._metas[d].scale, scale)  # same format and margin
+        assert torch.equal(lin._scheme_state[d].scale, scale)  # same format and margin
 
 
 def test_another_format_or_margin_refits_the_scales_from_the_history():
@@ -354,16 +356,16 @@ def test_another_format_or_margin_refits_the_scales_from_the_history():
     for d, fmt in ((FORWARD, "e4m3"), (BACKWARD, "e4m3")):
         amax = saved[d][0].double().max(dim=0).values
         expected = (FMT_MAX[fmt] / 4 / amax).float()
-        assert torch.equal(lin._metas[d].scale, expected)
+        assert torch.equal(lin._scheme_state[d].scale, expected)
     # Before the refit the gradient scale was e5m2's, 128x too large for e4m3.
-    assert (saved[BACKWARD][1] / lin._metas[BACKWARD].scale).item() == pytest.approx(512.0)
+    assert (saved[BACKWARD][1] / lin._scheme_state[BACKWARD].scale).item() == pytest.approx(512.0)
 
 
 def test_a_plain_checkpoint_starts_the_scales_afresh():
     lin = _steps(fc.Linear(16, 8), fc.DelayedScaling(amax_history_len=4))
     plain = nn.Linear(16, 8)
     assert lin.load_state_dict(plain.state_dict(), strict=True).missing_keys == []
-    for meta in lin._metas.values():
+    for meta in lin._scheme_state.values():
         assert meta.history.eq(0).all() and meta.scale.eq(1).all()
     assert torch.equal(lin.weight, plain.weight)
 
@@ -428,21 +430,21 @@ def test_a_model_that_does_not_run_keeps_its_window_while_another_steps():
     step(a, 1.0)
     b = fc.Linear(16, 16)
     step(b, 1.0)
-    assert a._metas[FORWARD].slab is b._metas[FORWARD].slab  # the case under test
-    before = {d: (m.history.clone(), m.scale.clone()) for d, m in a._metas.items()}
+    assert a._scheme_state[FORWARD].slab is b._scheme_state[FORWARD].slab  # the case under test
+    before = {d: (m.history.clone(), m.scale.clone()) for d, m in a._scheme_state.items()}
     assert before[FORWARD][1][0].item() == 448.0 / 8.0
     for _ in range(4):
         step(b, 1.0)
     for d, (history, scale) in before.items():
-        assert torch.equal(a._metas[d].history, history)
-        assert torch.equal(a._metas[d].scale, scale)
+        assert torch.equal(a._scheme_state[d].history, history)
+        assert torch.equal(a._scheme_state[d].scale, scale)
 
 
 def test_state_the_format_cannot_hold_is_an_error_not_dropped():
     """A third-party scheme that keeps per-module state in ``module_state`` (the module's
-    ``_metas``) cannot be saved by this format: saving says so."""
+    ``_scheme_state``) cannot be saved by this format: saving says so."""
     lin = fc.Linear(16, 16)
-    lin._metas["my_scheme"] = torch.ones(3)
+    lin._scheme_state["my_scheme"] = torch.ones(3)
     with pytest.raises(ValueError, match="does not know"):
         lin.state_dict()
 

@@ -966,8 +966,8 @@ def test_loaded_tensors_take_no_part_in_autograd():
     with fc.allow_unsafe_extra_state():
         _load_extra(lin, pickle.dumps(state))
     # Scales that required grad would grow a graph with every in-place update.
-    assert lin._metas.keys() == {0, 1}
-    for meta in lin._metas.values():
+    assert lin._scheme_state.keys() == {0, 1}
+    for meta in lin._scheme_state.values():
         for tensor in (meta.scale, meta.history):
             assert not tensor.requires_grad and tensor.grad_fn is None
 

@@ -60,6 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   Bind<void(const Tensor&, const Tensor&)>::on(m, "record_amax");
   Bind<Tensors2(const Tensor&, const Tensor&, const Tensor&, at::ScalarType)>::on(
       m, "quantize_recording");
+  Bind<void(const Tensor&, const Tensor&, double, double, double, bool)>::on(m, "delayed_update");
   Bind<Tensors2(const Tensor&, int64_t, at::ScalarType, bool, double)>::on(m, "quantize_blocks");
   Bind<Tensors2(const Tensor&, at::ScalarType, bool, bool)>::on(m, "quantize_rows");
   Bind<Tensors2(const Tensor&, at::ScalarType, bool)>::on(m, "quantize_mxfp8");

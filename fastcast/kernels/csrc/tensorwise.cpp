@@ -187,6 +187,52 @@ std::tuple<at::Tensor, at::Tensor> quantize_recording(const at::Tensor& input,
   return {data, scale_inv};
 }
 
+// Delayed scaling's update of one slab in one pass (fastcast/reference/amax.py:
+// delayed_update_reference is the definition, bit for bit): per column j of history
+// [L, N] and scale [N], amax = max over the window (or row 0, `most_recent`), the new
+// scale target / max(amax, floor) (at least `min_scale` when that is > 0) where the amax
+// is finite and > 0, else the old one; only a column whose row 0 is > 0 (it recorded
+// this step) takes it and has its history rolled up by one row; row 0 is then zeroed.
+void delayed_update(const at::Tensor& history, const at::Tensor& scale, double target,
+                    double floor, double min_scale, bool most_recent) {
+  TORCH_CHECK(history.device().is_cpu() && scale.device().is_cpu(),
+              "fastcast::delayed_update: CPU tensors only");
+  TORCH_CHECK(history.scalar_type() == at::kFloat && scale.scalar_type() == at::kFloat &&
+                  history.dim() == 2 && scale.dim() == 1 &&
+                  history.size(1) == scale.size(0) && history.is_contiguous() &&
+                  scale.is_contiguous(),
+              "fastcast::delayed_update: needs a contiguous float32 history [L, N] and "
+              "scale [N]");
+  const int64_t rows = history.size(0), cols = history.size(1);
+  float* h = history.data_ptr<float>();
+  float* s = scale.data_ptr<float>();
+  const float t = static_cast<float>(target), lo = static_cast<float>(floor);
+  const float least = static_cast<float>(min_scale);
+  for (int64_t j = 0; j < cols; ++j) {
+    const float recorded = h[j];
+    if (recorded > 0) {  // (false for NaN, as torch's `>` is)
+      float amax = recorded;
+      if (!most_recent)
+        for (int64_t i = 1; i < rows; ++i) {
+          const float v = h[i * cols + j];
+          if (std::isnan(v) || std::isnan(amax)) amax = std::numeric_limits<float>::quiet_NaN();
+          else amax = std::max(amax, v);
+        }
+      // nan_to_num(nan=0, posinf=0): only a finite amax > 0 makes a scale.
+      if (std::isfinite(amax) && amax > 0) {
+        float next = t / std::max(amax, lo);
+        if (min_scale > 0) next = std::max(next, least);
+        s[j] = next;
+      }
+      if (rows > 1) {  // roll up by one: row i takes row i + 1, the last row row 0
+        for (int64_t i = 0; i + 1 < rows; ++i) h[i * cols + j] = h[(i + 1) * cols + j];
+        h[(rows - 1) * cols + j] = recorded;
+      }
+    }
+    h[j] = 0.0f;
+  }
+}
+
 // The cheapest op there is: measures what dispatch through torch.ops costs.
 at::Tensor noop(const at::Tensor& x) { return x; }
 
@@ -200,6 +246,9 @@ TORCH_LIBRARY(fastcast_kernels, m) {
   m.def(
       "quantize_recording(Tensor x, Tensor scale, Tensor(a!) slot, ScalarType dtype) "
       "-> (Tensor, Tensor)");
+  m.def(
+      "delayed_update(Tensor(a!) history, Tensor(b!) scale, float target, float floor, "
+      "float min_scale, bool most_recent) -> ()");
   m.def("noop(Tensor(a) x) -> Tensor(a)");
 }
 
@@ -207,6 +256,7 @@ TORCH_LIBRARY_IMPL(fastcast_kernels, CPU, m) {
   m.impl("quantize_tensorwise", &quantize_tensorwise);
   m.impl("record_amax", &record_amax);
   m.impl("quantize_recording", &quantize_recording);
+  m.impl("delayed_update", &delayed_update);
   m.impl("noop", &noop);
 }
 

@@ -1,6 +1,6 @@
 """Delayed scaling storage: amax histories and scales, updated in batches.
 
-What the recipe means, and when updates happen, is ``schemes/delayed.py``; this module
+What the recipe means, and when updates happen, is ``scheme.py`` beside it; this module
 holds the tensors.
 
 Every module keeps, per direction (forward: input and weight; backward: grad_output), a
@@ -20,9 +20,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .formats import ELEMENT_MAX, FP32_MAX
-from .recipe import DelayedScaling
-from .reference.cast import scale_from_amax
+from ...formats import ELEMENT_MAX, FP32_MAX
+from ...kernels import fused_op
+from ...recipe import DelayedScaling
+from ...reference.amax import delayed_update_reference
+from ...reference.cast import min_scale, scale_from_amax
 
 FORWARD, BACKWARD = 0, 1
 
@@ -100,6 +102,11 @@ class ScalingMeta:
             torch.zeros(history_len, n, device=device),
             torch.ones(n, device=device),
         )
+
+    @property
+    def device(self) -> torch.device:
+        """Where the history and scales are (``schemes.base.ModuleState``)."""
+        return self.history.device
 
     def _own(self, history: torch.Tensor, scale: torch.Tensor) -> None:
         """Point at ``history``/``scale`` (standalone tensors or views into a slab)."""
@@ -269,7 +276,7 @@ class Slab:
         self.fmt = fmt
         self.members: list[weakref.ref[ScalingMeta]] = []
         self.lost_members = False
-        self.owner: Any = None  # the per-thread state that made it (schemes/delayed.py)
+        self.owner: Any = None  # the owner state that made it (scheme.py: DelayedState)
         self.history = torch.zeros(recipe.amax_history_len, 0, device=device)
         self.scale = torch.ones(0, device=device)
 
@@ -327,17 +334,31 @@ class Slab:
         recipe = self.recipe
         history = self.history
         if self.group is not None and recipe.reduce_amax:
-            from .distributed import all_reduce_max  # noqa: PLC0415 - only with a group
+            from ...distributed import all_reduce_max  # noqa: PLC0415 - only with a group
 
             all_reduce_max(history[0], self.group)
         algo = recipe.amax_compute_algo
+        fmt_max = ELEMENT_MAX[self.fmt]
+        if recipe.scaling_factor_compute_algo is None and isinstance(algo, str):
+            # fastcast's formula: one fused operator where there is one (CPU), else the
+            # same in a dozen tensor operations. (A slab's tensors are contiguous: made by
+            # torch.zeros/ones or torch.cat, never replaced by views.)
+            op = fused_op("delayed_update", history)
+            if op is not None:
+                target = fmt_max / 2.0**recipe.margin
+                least = min_scale(fmt_max, False) if recipe.margin else 0.0
+                op(history, self.scale, target, target / FP32_MAX, least, algo == "most_recent")
+            else:
+                delayed_update_reference(
+                    history, self.scale, fmt_max, recipe.margin, algo == "most_recent"
+                )
+            return
         if algo == "max":
             amax = history.amax(dim=0)
         elif algo == "most_recent":
             amax = history[0].clone()
         else:
             amax = algo(history)
-        fmt_max = ELEMENT_MAX[self.fmt]
         if recipe.scaling_factor_compute_algo is not None:
             scale = recipe.scaling_factor_compute_algo(amax, self.scale, fmt_max, recipe)
         else:

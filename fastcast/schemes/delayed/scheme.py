@@ -4,7 +4,7 @@ The one stateful scheme, and everything it means lives here:
 
 - per module (saved in its checkpoints): a ``ScalingMeta`` per direction, forward
   (input, weight) and backward (grad_output), whose tensors are column views into one
-  ``Slab`` per (autocast key, direction, device) (``fastcast.delayed``), so an update
+  ``Slab`` per (autocast key, direction, device) (``state.py``), so an update
   costs a fixed number of tensor operations whatever the number of modules;
 - per owner (``DelayedState``): the slabs, and which of them recorded amaxes since
   their last update. The owner is the asyncio task running the module, or the thread
@@ -34,24 +34,24 @@ from typing import Any, ClassVar
 import torch
 from torch.autograd import Variable
 
-from ..delayed import BACKWARD, FORWARD, ScalingMeta, ScalingOrigin, Slab
-from ..profiling import annotate
-from ..quantizers.base import Quantizer
-from ..quantizers.tensorwise import (
+from ...profiling import annotate
+from ...quantizers.base import Quantizer
+from ...quantizers.tensorwise import (
     DelayedScalingQuantizer,
     FixedScaleQuantizer,
     record_amax,
 )
-from ..recipe import DelayedScaling
-from ..runtime.state import (
+from ...recipe import DelayedScaling
+from ...runtime.state import (
     AutocastFrame,
     Stack,
     ThreadState,
     note_stateful_thread,
     thread_state,
 )
-from ..tensor import TENSORWISE
-from .base import Plan, Scheme, register_scheme
+from ...tensor import TENSORWISE
+from ..base import Plan, Scheme, register_scheme
+from .state import BACKWARD, FORWARD, ScalingMeta, ScalingOrigin, Slab
 
 
 class DelayedState:
@@ -283,8 +283,24 @@ class DelayedPlan(Plan):
             return state.task is None
         return state.task is not None and state.task() is task
 
-    def call(self, autograd: bool, replay: Any = None, record: Any = None) -> DelayedCall:
+    def call(
+        self, autograd: bool, replay: Any = None, record: Any = None
+    ) -> DelayedPlan | DelayedCall:
+        """The plan itself for a plain call (its hooks are the ones a call needs, and its
+        quantizers read the scales when they run); a ``DelayedCall`` under activation
+        checkpointing, which must carry what the original call used."""
+        if replay is None and record is None:
+            return self
         return DelayedCall(self, replay, record)
+
+    # -- the per-call hooks of a plain call (``DelayedCall`` has the general ones) ---------
+    def forward_done(self) -> None:
+        self.state.mark(self.fwd_slab, FORWARD)
+
+    def backward_done(self) -> None:
+        state = self.state
+        state.mark(self.bwd_slab, BACKWARD)
+        state.backward_ran(self.group)
 
     def calibrate(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         record_amax(self.fwd_meta.amax_slots[0], x.detach())

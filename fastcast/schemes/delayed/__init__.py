@@ -1,0 +1,46 @@
+"""``DelayedScaling``, all of it: per-tensor FP8 whose scales come from the amax history
+of earlier steps.
+
+- ``state``: the per-module state (``ScalingMeta``: amax history and scales per
+  direction, with the recipe fields they were made under), the slabs that batch every
+  module's columns into one update, and the update itself;
+- ``scheme``: the scheme (plans, per-call hooks, the per-owner step state and when the
+  updates run);
+- ``te_state``: TransformerEngine's delayed-scaling extra state, read into ``ScalingMeta``s.
+
+Compiled code reaches it through ``fastcast.compile`` (``compile/delayed.py`` traces
+these quantizers into graphs); the extra-state codec
+(``fastcast.serialization.extra_state``) saves the state.
+"""
+
+from __future__ import annotations
+
+from .scheme import (
+    DelayedPlan,
+    DelayedScalingScheme,
+    DelayedState,
+    DelayedThreadState,
+)
+from .state import (
+    BACKWARD,
+    FORWARD,
+    UNKNOWN_ORIGIN,
+    ScalingMeta,
+    ScalingOrigin,
+    Slab,
+    check_scaling_tensors,
+)
+
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "UNKNOWN_ORIGIN",
+    "DelayedPlan",
+    "DelayedScalingScheme",
+    "DelayedState",
+    "DelayedThreadState",
+    "ScalingMeta",
+    "ScalingOrigin",
+    "Slab",
+    "check_scaling_tensors",
+]
