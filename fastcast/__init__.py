@@ -6,7 +6,6 @@ from .autocast import autocast
 from .gemm import scaled_mm
 from .gemm_grouped import grouped_mm
 from .nn import Conv1D, GroupedLinear, Linear, convert, keep_high_precision
-from .nn.recompute import checkpoint_context
 from .numerics import inspect
 from .recipe import (
     CustomRecipe,
@@ -33,7 +32,7 @@ from .serialization.extra_state import (
     read_extra_state,
     strip_extra_state,
 )
-from .tensor import QuantizedTensor, TensorProto
+from .tensor import QuantizedTensor
 
 __version__ = "0.1.0"
 
@@ -55,10 +54,8 @@ __all__ = [
     "NVFP4BlockScaling",
     "QuantizedTensor",
     "Recipe",
-    "TensorProto",
     "allow_unsafe_extra_state",
     "autocast",
-    "checkpoint_context",
     "convert",
     "fp8_available",
     "fp8_block_scaling_available",

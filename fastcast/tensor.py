@@ -18,7 +18,6 @@ codec can rebuild them by name.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, ClassVar
 
@@ -450,95 +449,3 @@ class NVFP4Tensor(QuantizedTensor):
         return obj
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorProto:
-    """A data-free prototype of a tensor or quantized tensor: everything but the bytes.
-
-    A value object (equal by fields, hashable) built from an existing tensor with
-    ``TensorProto.of(t)``. ``empty(device)`` allocates a tensor of exactly that layout
-    (what a fake implementation must return) and ``build(inner)`` assembles one from
-    given inner tensors, checking their shapes and dtypes. Both are plain Python over
-    the storage registry, so they need no real data.
-    """
-
-    storage: str  # a STORAGE name, or "tensor" for a plain high-precision tensor
-    shape: tuple[int, ...]
-    dtype: torch.dtype  # the logical (high-precision) dtype
-    fmt: str | None = None
-    block: tuple[int, int] = (0, 0)
-    block_t: tuple[int, int] = (0, 0)
-    # (name, shape, dtype) of every inner tensor, in flatten order.
-    inner: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
-    # (key, value) of the flatten context a storage class adds to the common one
-    # (NVFP4's Hadamard sign vectors), hashable values only.
-    extra: tuple[tuple[str, Any], ...] = ()
-
-    @classmethod
-    def of(cls, t: torch.Tensor | QuantizedTensor) -> TensorProto:
-        """The prototype of ``t`` (a torch.Tensor or a QuantizedTensor)."""
-        if isinstance(t, QuantizedTensor):
-            names, ctx = t.__tensor_flatten__()
-            return cls(
-                storage=ctx["storage"],
-                shape=tuple(t.shape),
-                dtype=t.dtype,
-                fmt=t.fmt,
-                block=tuple(t.block),
-                block_t=tuple(t.block_t),
-                inner=tuple((n, tuple(getattr(t, n).shape), getattr(t, n).dtype) for n in names),
-                extra=tuple((k, v) for k, v in ctx.items() if k not in _COMMON_CTX),
-            )
-        if isinstance(t, torch.Tensor):
-            return cls(storage="tensor", shape=tuple(t.shape), dtype=t.dtype)
-        raise TypeError(f"TensorProto.of takes a tensor or quantized tensor, got {type(t)}")
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes a tensor of this layout holds (every inner tensor counted)."""
-        if self.storage == "tensor":
-            return math.prod(self.shape) * _itemsize(self.dtype)
-        return sum(math.prod(shape) * _itemsize(dtype) for _, shape, dtype in self.inner)
-
-    def empty(self, device: torch.device | str | None = None) -> torch.Tensor | QuantizedTensor:
-        """An uninitialised tensor of this layout on ``device``."""
-        if self.storage == "tensor":
-            return torch.empty(self.shape, dtype=self.dtype, device=device)
-        inner = {
-            name: torch.empty(shape, dtype=dtype, device=device)
-            for name, shape, dtype in self.inner
-        }
-        return self.build(inner)
-
-    def build(self, inner: dict[str, torch.Tensor]) -> QuantizedTensor:
-        """The quantized tensor of this layout holding ``inner``'s tensors."""
-        if self.storage not in STORAGE:
-            raise ValueError(f"TensorProto.build: no quantized storage named {self.storage!r}")
-        expected = {name: (shape, dtype) for name, shape, dtype in self.inner}
-        if set(inner) != set(expected):
-            raise ValueError(
-                f"TensorProto.build: expected inner tensors {sorted(expected)}, got {sorted(inner)}"
-            )
-        for name, (shape, dtype) in expected.items():
-            got = inner[name]
-            if tuple(got.shape) != shape or got.dtype != dtype:
-                raise ValueError(
-                    f"TensorProto.build: {name} must be {dtype} of shape {shape}, "
-                    f"got {got.dtype} of shape {tuple(got.shape)}"
-                )
-        ctx = {
-            "storage": self.storage,
-            "fmt": self.fmt,
-            "shape": self.shape,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "block": self.block,
-            "block_t": self.block_t,
-            **dict(self.extra),
-        }
-        return STORAGE[self.storage].__tensor_unflatten__(dict(inner), ctx)
-
-
-_COMMON_CTX = frozenset(("storage", "fmt", "shape", "dtype", "block", "block_t"))
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

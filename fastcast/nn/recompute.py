@@ -140,11 +140,3 @@ def checkpoint_region(active: bool) -> tuple[RecomputeLog, bool] | None:
         log = RecomputeLog()
         setattr(region, _LOG_ATTR, log)
     return log, recomputing
-
-
-def checkpoint_context() -> tuple[Any, Any]:
-    """Kept for code written for fastcast < 0.2, which passed it as ``context_fn`` to
-    ``torch.utils.checkpoint.checkpoint``; recomputation no longer needs it."""
-    from torch.utils.checkpoint import noop_context_fn  # noqa: PLC0415
-
-    return noop_context_fn()

@@ -378,7 +378,7 @@ def _step(model, x, recipe, use_checkpoint):
     x = x.clone().requires_grad_()
     with fc.autocast(recipe=recipe):
         if use_checkpoint:
-            y = checkpoint(model, x, use_reentrant=False, context_fn=fc.checkpoint_context)
+            y = checkpoint(model, x, use_reentrant=False)
         else:
             y = model(x)
     scales = [fwd_scale(m).clone() for m in model if isinstance(m, fc.Linear) and m._scheme_state]
@@ -423,7 +423,7 @@ def test_checkpoint_with_microbatch_weight_cache_is_bitwise_identical():
             fn = lambda t, first=(i == 0): lin(t, is_first_microbatch=first)
             with fc.autocast(recipe=recipe):
                 if use_checkpoint:
-                    y = checkpoint(fn, x, use_reentrant=False, context_fn=fc.checkpoint_context)
+                    y = checkpoint(fn, x, use_reentrant=False)
                 else:
                     y = fn(x)
             y.pow(2).sum().backward()
