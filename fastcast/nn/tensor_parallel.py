@@ -37,6 +37,7 @@ the (replicated) bias added after it, once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import torch
@@ -45,9 +46,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..distributed.amax import all_reduce_max
-from ..quantizers.base import check_input, transposed_codes
 from ..quantizers.nvfp4 import NVFP4Quantizer
-from ..quantizers.rowwise import PER_ROW, RowwiseQuantizer
+from ..quantizers.rowwise import RowwiseQuantizer
 from ..recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -56,10 +56,6 @@ from ..recipe import (
     MXFP8BlockScaling,
     NVFP4BlockScaling,
 )
-from ..reference import hadamard, nvfp4
-from ..reference.cast import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
-from ..reference.nvfp4 import BLOCK
-from ..reference.rows import row_amax
 from ..runtime.state import AutocastFrame
 from ..schemes import Plan, scheme_for
 from ..tensor import Float8Tensor, NVFP4Tensor
@@ -306,47 +302,14 @@ class ShardedRowwiseQuantizer:
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
     ) -> Float8Tensor:
-        if not (self.reduce_rows and rowwise) and not (self.reduce_columns and columnwise):
-            return self.base.quantize(x, rowwise=rowwise, columnwise=columnwise)
-        check_input(x)
-        m = as_matrix(x)
-        base = self.base
-        data = scale_inv = data_t = scale_inv_t = None
-        if rowwise:
-            data, scale_inv = self._quantize(m, 1, self.reduce_rows)
-            data = data.reshape(x.shape)
-        if columnwise:
-            if base.columnwise_per_tensor:
-                amax = tensor_amax(m)
-                if self.reduce_columns:
-                    all_reduce_max(amax, self.group)
-                scale_t = base._scale(amax).expand(1, m.shape[1])
-                codes, scale_inv_t = scale_and_cast(m, scale_t, base.fmt), scale_t.reciprocal()
-            else:
-                codes, scale_inv_t = self._quantize(m, 0, self.reduce_columns)
-            data_t = transposed_codes(codes)
-            scale_inv_t = scale_inv_t.reshape(-1, 1).contiguous()
-        return Float8Tensor(
-            fmt=base.fmt,
-            shape=x.shape,
-            dtype=x.dtype,
-            data=data,
-            scale_inv=scale_inv,
-            block=PER_ROW,
-            data_t=data_t,
-            scale_inv_t=scale_inv_t,
-            block_t=PER_ROW,
+        reduce = functools.partial(all_reduce_max, group=self.group)
+        return self.base.quantize(
+            x,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            reduce_rows=reduce if self.reduce_rows else None,
+            reduce_columns=reduce if self.reduce_columns else None,
         )
-
-    def _quantize(
-        self, m: torch.Tensor, dim: int, reduce: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes in ``m``'s layout and scale_inv, one scale per slice along ``dim``."""
-        amax = row_amax(m, dim)
-        if reduce:
-            all_reduce_max(amax, self.group)
-        scale = self.base._scale(amax)
-        return scale_and_cast(m, scale, self.base.fmt), scale.reciprocal()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,8 +319,7 @@ class ShardedNVFP4Quantizer:
     comes from the amax of the whole tensor, max-reduced over ``group``; the 16-element
     blocks (and 16x16 tiles) are local, as the shards are multiples of 16. The codes and
     scales are then those ``NVFP4Quantizer`` gives the whole tensor (stochastic rounding
-    aside: its random draws are the shard's own). Runs ``nvfp4.quantize_reference``'s
-    steps, whose fused operator computes the tensor scale inside."""
+    aside: its random draws are the shard's own)."""
 
     base: NVFP4Quantizer
     group: Any
@@ -372,79 +334,10 @@ class ShardedNVFP4Quantizer:
         columnwise: bool = False,
         generator: torch.Generator | None = None,
     ) -> NVFP4Tensor:
-        check_input(x)
-        base = self.base
-        matrix = as_matrix(x)
-        rows, cols = matrix.shape
-        if cols % BLOCK or ((base.block_2d or columnwise) and rows % BLOCK):
-            return base.quantize(x, rowwise=rowwise, columnwise=columnwise, generator=generator)
-        if base.rht is None or not columnwise:
-            return self._quantize(x, matrix, rowwise, columnwise, generator)
-        # As NVFP4Quantizer._quantize_transformed: two quantizations, each its own scale.
-        row = self._quantize(x, matrix, True, False, generator) if rowwise else None
-        transformed = hadamard.transform_columns(matrix, base.rht)
-        col = self._quantize(transformed, transformed, False, True, generator)
-        return NVFP4Tensor(
-            fmt=self.fmt,
-            shape=x.shape,
-            dtype=x.dtype,
-            data=None if row is None else row.data,
-            scale_inv=None if row is None else row.scale_inv,
-            block=col.block,
-            data_t=col.data_t,
-            scale_inv_t=col.scale_inv_t,
-            block_t=col.block_t,
-            global_scale_inv=col.global_scale_inv if row is None else row.global_scale_inv,
-            global_scale_inv_t=col.global_scale_inv,
-            rht_t=base.rht,
-        )
-
-    def _quantize(
-        self,
-        x: torch.Tensor,
-        matrix: torch.Tensor,
-        rowwise: bool,
-        columnwise: bool,
-        generator: torch.Generator | None,
-    ) -> NVFP4Tensor:
-        base = self.base
-        matrix = matrix.float()
-        rows, cols = matrix.shape
-        stochastic = base.stochastic_rounding
-        rand = rand_t = None
-        if stochastic:
-            rand, rand_t = nvfp4._draws(
-                x, rows, cols, base.block_2d, rowwise, columnwise, generator
-            )
-        # The whole tensor's amax of finite magnitudes (nvfp4.global_encode_scale's).
-        amax = torch.nan_to_num(matrix.abs(), nan=0.0, posinf=0.0).amax()
-        all_reduce_max(amax, self.group)
-        s_enc = scale_from_amax(amax, nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)
-        tile_rows = BLOCK if base.block_2d else 1
-        data = scale_inv = data_t = scale_inv_t = None
-        if rowwise or base.block_2d:
-            blocks, mag, block_amax = nvfp4.tile_blocks(matrix, tile_rows)
-            codes, scales = nvfp4.encode_blocks(blocks, mag, block_amax, s_enc, rand)
-            codes = codes.reshape(rows, cols)
-            if rowwise:
-                data, scale_inv = nvfp4.pack_e2m1(codes), scales
-        if columnwise:
-            if base.block_2d:
-                data_t, scale_inv_t = nvfp4.pack_e2m1(codes.t()), scales.t().contiguous()
-            else:
-                blocks, mag, block_amax = nvfp4.tile_blocks(matrix.t(), 1)
-                codes_t, scale_inv_t = nvfp4.encode_blocks(blocks, mag, block_amax, s_enc, rand_t)
-                data_t = nvfp4.pack_e2m1(codes_t.reshape(cols, rows))
-        block = (tile_rows, BLOCK)
-        return NVFP4Tensor(
-            fmt=self.fmt,
-            shape=x.shape,
-            dtype=x.dtype,
-            data=data.reshape(*x.shape[:-1], cols // 2) if rowwise else None,
-            scale_inv=scale_inv,
-            block=block,
-            data_t=data_t,
-            scale_inv_t=scale_inv_t,
-            block_t=block,
-            global_scale_inv=s_enc.reciprocal(),
+        return self.base.quantize(
+            x,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            generator=generator,
+            reduce_amax=functools.partial(all_reduce_max, group=self.group),
         )

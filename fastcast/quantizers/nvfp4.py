@@ -43,7 +43,8 @@ code for 6, block scales at 448.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
@@ -104,7 +105,11 @@ class NVFP4Quantizer:
         rowwise: bool = True,
         columnwise: bool = False,
         generator: torch.Generator | None = None,
+        reduce_amax: Callable[[torch.Tensor], Any] | None = None,
     ) -> NVFP4Tensor:
+        """``reduce_amax`` max-reduces each tensor scale's amax in place (a shard of a
+        tensor split across ranks gets the whole tensor's scale); it runs the reference,
+        as the fused operator computes the tensor scale inside."""
         check_input(x)
         if not (rowwise or columnwise):
             raise ValueError("NVFP4Quantizer: ask for rowwise and/or columnwise data")
@@ -123,8 +128,8 @@ class NVFP4Quantizer:
                 f"shape {tuple(x.shape)}"
             )
         if self.rht is not None and columnwise:
-            return self._quantize_transformed(x, matrix, rowwise, generator)
-        return self._quantize(x, matrix, rowwise, columnwise, generator)
+            return self._quantize_transformed(x, matrix, rowwise, generator, reduce_amax)
+        return self._quantize(x, matrix, rowwise, columnwise, generator, reduce_amax)
 
     def _quantize_transformed(
         self,
@@ -132,16 +137,17 @@ class NVFP4Quantizer:
         matrix: torch.Tensor,
         rowwise: bool,
         generator: torch.Generator | None,
+        reduce_amax: Callable[[torch.Tensor], Any] | None,
     ) -> NVFP4Tensor:
         """The row-wise layout of ``x`` and the column-wise layout of its transform, each
         under its own tensor scale (TE's post-RHT amax): two quantizations, in this order
         (the stochastic draws of each are those of the plain layouts)."""
         assert self.rht is not None
-        row = self._quantize(x, matrix, True, False, generator) if rowwise else None
+        row = self._quantize(x, matrix, True, False, generator, reduce_amax) if rowwise else None
         transformed = hadamard.transform_columns(matrix, self.rht)
         if self.rht_round_to_input_dtype and x.dtype != transformed.dtype:
             transformed = transformed.to(x.dtype)  # TE's rounding (FP32 sums, one rounding)
-        col = self._quantize(transformed, transformed, False, True, generator)
+        col = self._quantize(transformed, transformed, False, True, generator, reduce_amax)
         return NVFP4Tensor(
             fmt=self.fmt,
             shape=x.shape,
@@ -164,17 +170,20 @@ class NVFP4Quantizer:
         rowwise: bool,
         columnwise: bool,
         generator: torch.Generator | None,
+        reduce_amax: Callable[[torch.Tensor], Any] | None = None,
     ) -> NVFP4Tensor:
         """``quantize`` without the transform (shapes checked)."""
         rows, cols = matrix.shape
         rand = rand_t = None
         if self.stochastic_rounding:
             rand, rand_t = _draws(x, rows, cols, self.block_2d, rowwise, columnwise, generator)
-        op = fused_op("quantize_nvfp4", x)
-        quantize = quantize_reference if op is None else op  # both passes in one operator
-        data, scale_inv, data_t, scale_inv_t, global_scale_inv = quantize(
-            x, self.block_2d, rowwise, columnwise, self.stochastic_rounding, rand, rand_t
-        )
+        args = (x, self.block_2d, rowwise, columnwise, self.stochastic_rounding, rand, rand_t)
+        if reduce_amax is not None:
+            results = quantize_reference(*args, reduce_amax)
+        else:
+            op = fused_op("quantize_nvfp4", x)
+            results = (quantize_reference if op is None else op)(*args)  # one operator
+        data, scale_inv, data_t, scale_inv_t, global_scale_inv = results
         block = (BLOCK if self.block_2d else 1, BLOCK)
         return NVFP4Tensor(
             fmt=self.fmt,

@@ -13,6 +13,8 @@ finite values beyond the range saturate.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -73,25 +75,36 @@ class RowwiseQuantizer:
 
     @annotate("fastcast.quantize.rowwise")
     def quantize(
-        self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
+        self,
+        x: torch.Tensor,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = False,
+        reduce_rows: Callable[[torch.Tensor], Any] | None = None,
+        reduce_columns: Callable[[torch.Tensor], Any] | None = None,
     ) -> Float8Tensor:
+        """``reduce_rows`` / ``reduce_columns`` max-reduce the amaxes of the row-wise /
+        column-wise layout in place before its scales are made (rows split across ranks
+        get the whole row's scale); a layout reduced runs the reference."""
         check_input(x)
         if not (rowwise or columnwise):
             raise ValueError(f"{type(self).__name__}: ask for rowwise and/or columnwise data")
         m = as_matrix(x)
         data = scale_inv = data_t = scale_inv_t = None
-        fmt, power_2 = self.fmt, self.power_2_scales
         if rowwise:
-            data, scale_inv = quantize_rows(m, fmt, power_2, columns=False)
+            data, scale_inv = self._slices(m, False, reduce_rows)
             data = data.reshape(x.shape)
         if columnwise:
             # Cast in m's layout (rows of x.T are m's columns: elementwise, the same
             # codes), then transpose the FP8 bytes rather than copy m transposed.
             if self.columnwise_per_tensor:
-                scale_t = self._scale(tensor_amax(m)).expand(1, m.shape[1])
-                codes, scale_inv_t = scale_and_cast(m, scale_t, fmt), scale_t.reciprocal()
+                amax = tensor_amax(m)
+                if reduce_columns is not None:
+                    reduce_columns(amax)
+                scale_t = self._scale(amax).expand(1, m.shape[1])
+                codes, scale_inv_t = scale_and_cast(m, scale_t, self.fmt), scale_t.reciprocal()
             else:
-                codes, scale_inv_t = quantize_rows(m, fmt, power_2, columns=True)
+                codes, scale_inv_t = self._slices(m, True, reduce_columns)
             data_t = transposed_codes(codes)
             scale_inv_t = scale_inv_t.reshape(-1, 1).contiguous()
         return Float8Tensor(
@@ -105,3 +118,12 @@ class RowwiseQuantizer:
             scale_inv_t=scale_inv_t,
             block_t=PER_ROW,
         )
+
+    def _slices(
+        self, m: torch.Tensor, columns: bool, reduce: Callable[[torch.Tensor], Any] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes in ``m``'s layout and scale_inv, one scale per row (per column with
+        ``columns``); with ``reduce``, the amaxes are reduced before the scales."""
+        if reduce is None:
+            return quantize_rows(m, self.fmt, self.power_2_scales, columns=columns)
+        return quantize_rows_reference(m, self.fmt, self.power_2_scales, columns, reduce)

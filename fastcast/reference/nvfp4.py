@@ -4,6 +4,9 @@ the arithmetic written out)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from ..formats import E2M1_VALUES, ELEMENT_MAX, FP32_MAX
@@ -60,9 +63,12 @@ def _round_stochastic(mag: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
     return _round_nearest_even(lower.mul_(step))
 
 
-def global_encode_scale(mag: torch.Tensor) -> torch.Tensor:
+def global_encode_scale(
+    mag: torch.Tensor, reduce_amax: Callable[[torch.Tensor], Any] | None = None
+) -> torch.Tensor:
     """``s_enc = 6 * 448 / amax`` as an FP32 scalar, ``amax`` the max of the finite
-    magnitudes ``mag`` (1.0 when there is none above 0).
+    magnitudes ``mag`` (1.0 when there is none above 0). ``reduce_amax`` max-reduces the
+    amax in place first (a tensor-parallel shard: the whole tensor's scale).
 
     Non-finite elements are left out rather than let a NaN amax reset the scale to 1.0:
     under that fallback the blocks of small values would flush to zero, so one NaN
@@ -71,6 +77,8 @@ def global_encode_scale(mag: torch.Tensor) -> torch.Tensor:
         amax = torch.zeros((), dtype=torch.float32, device=mag.device)
     else:
         amax = torch.nan_to_num(mag, nan=0.0, posinf=0.0).amax()
+    if reduce_amax is not None:
+        reduce_amax(amax)
     return scale_from_amax(amax, E2M1_MAX * E4M3_MAX)
 
 
@@ -131,19 +139,20 @@ def quantize_reference(
     stochastic: bool,
     rand: torch.Tensor | None,
     rand_t: torch.Tensor | None,
+    reduce_amax: Callable[[torch.Tensor], Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 of ``x`` in PyTorch operations (the definition the fused operators match),
     with their signature and results (``kernels/fake.py``): data ``[R, K/2]``, scale_inv,
     data_t ``[K, R/2]``, scale_inv_t (each with 0 rows where its layout was not asked
     for) and global_scale_inv. ``rand``, ``rand_t``: stochastic rounding's numbers
-    (``_draws``)."""
+    (``_draws``). ``reduce_amax``: see ``global_encode_scale`` (no operator takes it)."""
     matrix = as_matrix(x).float()
     rows, cols = matrix.shape
     tile_rows = BLOCK if block_2d else 1
     data = scale_inv = data_t = scale_inv_t = s_enc = None
     if rowwise or block_2d:
         blocks, mag, amax = tile_blocks(matrix, tile_rows)
-        s_enc = global_encode_scale(mag)
+        s_enc = global_encode_scale(mag, reduce_amax)
         codes, scales = encode_blocks(blocks, mag, amax, s_enc, rand if stochastic else None)
         codes = codes.reshape(rows, cols)
         if rowwise:
@@ -155,7 +164,7 @@ def quantize_reference(
         else:
             blocks, mag, amax = tile_blocks(matrix.t(), 1)
             if s_enc is None:
-                s_enc = global_encode_scale(mag)
+                s_enc = global_encode_scale(mag, reduce_amax)
             draw = rand_t if stochastic else None
             codes_t, scale_inv_t = encode_blocks(blocks, mag, amax, s_enc, draw)
             data_t = pack_e2m1(codes_t.reshape(cols, rows))

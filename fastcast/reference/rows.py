@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from ..formats import ELEMENT_MAX
@@ -23,11 +26,17 @@ def row_amax(m: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def quantize_rows_reference(
-    m: torch.Tensor, fmt: str, power_2: bool, columns: bool
+    m: torch.Tensor,
+    fmt: str,
+    power_2: bool,
+    columns: bool,
+    reduce_amax: Callable[[torch.Tensor], Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The matrix ``m`` ``[R, K]`` quantized with one scale per row (``scale_inv``
     ``[R, 1]``) or, with ``columns``, per column (``[1, K]``), codes in ``m``'s layout:
     ``quantize_rows`` in PyTorch operations (the definition the fused operators match)."""
     amax = row_amax(m, 0 if columns else 1)
+    if reduce_amax is not None:  # the rows are split across ranks: the whole row's amax
+        reduce_amax(amax)
     scale = scale_from_amax(amax, ELEMENT_MAX[fmt], power_2=power_2)
     return scale_and_cast(m, scale, fmt), scale.reciprocal()
