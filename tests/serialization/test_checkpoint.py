@@ -21,6 +21,7 @@ import torch
 from _contexts import isolated
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_extra_state import _steps
 from torch import nn
 
 import fastcast as fc
@@ -31,18 +32,9 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 RECIPE = fc.DelayedScaling(amax_history_len=8)
 
 
-def _train(model, steps=3, seed=0, in_features=16):
-    gen = torch.Generator().manual_seed(seed)
-
-    def body():
-        for i in range(steps):
-            x = torch.randn(8, in_features, generator=gen) * (1 + i)
-            with fc.autocast(recipe=RECIPE):
-                y = model(x)
-            y.pow(2).sum().backward()
-
-    isolated(body)
-    return model
+def _train(model, steps=3, seed=0):
+    """A few delayed-scaling steps (``test_extra_state._steps``, this file's recipe)."""
+    return _steps(model, RECIPE, steps=steps, seed=seed)
 
 
 def _step(model, x, recipe=RECIPE):
