@@ -122,16 +122,13 @@ def simulated_cuda(
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
-        hardware.refresh()
-        choice.refresh()
+        hardware.refresh()  # also the kernel choice
         try:
             with FakeTensorMode(), _Recorder(launches):
                 yield launches
         finally:
             hardware.refresh()  # (patches still on: caches dropped before they go)
-            choice.refresh()
     hardware.refresh()
-    choice.refresh()
 
 
 def on_fresh_thread(fn: Any, *args: Any) -> Any:
