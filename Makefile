@@ -8,7 +8,7 @@ COMPARE := $(VENV)/.compare
 
 .PHONY: kernels bench bench-sample bench-compare readme profile nsys test test-slow lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py fastcast/runtime/_native.c
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned, so the CPU build on disk is used instead of a CUDA download.
 	$(PY) -m pip install torch==2.13.0

@@ -22,6 +22,11 @@ from .runtime.state import (
 )
 from .schemes import default_recipe, scheme_for
 
+try:  # built by the install (setup.py) where a C compiler is; optional
+    from .runtime import _native
+except ImportError:  # the Python methods below run instead: the same semantics
+    _native = None
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 # Recipe types that passed the support check on this machine (a cache of a fixed fact,
@@ -58,16 +63,17 @@ def _checked(enabled: Any, misplaced: tuple, recipe: Any, calibrating: Any) -> R
     if calibrating.__class__ is not bool:
         raise TypeError(f"fc.autocast: calibrating must be a bool, got {calibrating!r}")
     if recipe is None:
-        return default_recipe()
-    if not isinstance(recipe, Recipe):
+        recipe = default_recipe()
+    elif not isinstance(recipe, Recipe):
         raise TypeError(f"fc.autocast: recipe must be a fastcast recipe, got {recipe!r}")
     _recipe_types.add(type(recipe))
     return recipe
 
 
-def _ran_nothing(below: Stack) -> None:
+def _ran_nothing(below: Stack, stacklevel: int = 3) -> None:
     """Warn when the outermost enabled autocast saw no fastcast layer run: the model was
-    most likely never converted (``fc.convert``), so it ran exactly in high precision."""
+    most likely never converted (``fc.convert``), so it ran exactly in high precision.
+    ``stacklevel``: of the user's ``with`` line (the C ``__exit__`` has no frame)."""
     if any(frame.enabled for frame in frames(below)):
         return  # an enabled level below decides when it exits
     _state.unused_autocast_warning_due = False  # once per process: one cause, one warning
@@ -76,8 +82,15 @@ def _ran_nothing(below: Stack) -> None:
         "FP8/FP4: convert the model first (model = fc.convert(model)), or check that the "
         "converted model is the one called inside the block",
         UnusedAutocastWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
+
+
+def _levels_exited(frame: AutocastFrame, below: Stack, ok: bool) -> None:
+    """Tell the stateful schemes (delayed scaling) of this thread that ``frame`` exited
+    (``ok``: without an exception); they decide whether it ends the step."""
+    for scheme_state in thread_state().schemes.values():
+        scheme_state.frame_exited(frame, below, ok)
 
 
 class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
@@ -158,9 +171,7 @@ class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
         # Stateful schemes (delayed scaling) decide whether this level ends the step. The
         # stack is already restored, so an error raised here leaves no level active.
         if _state.stateful_threads:
-            schemes = thread_state().schemes
-            for scheme_state in schemes.values():
-                scheme_state.frame_exited(self, below, exc_type is None)
+            _levels_exited(self, below, exc_type is None)
 
     def _check_recipe(self) -> None:
         # A recipe type this machine cannot run raises when enabled (a disabled level
@@ -223,3 +234,32 @@ class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
             f"fc.autocast(enabled={self.enabled}, recipe={self.recipe!r}, "
             f"calibrating={self.calibrating}, amax_reduction_group={self.group!r})"
         )
+
+
+class NativeAutocast(autocast):
+    """``fc.autocast`` as the usual call makes it: ``__enter__`` and ``__exit__`` in C
+    (``fastcast/runtime/_native.c``), step for step the methods of ``autocast`` above,
+    which stay the reference (and run in their place while something replaces them:
+    tracing ranges, ``fc.inspect``). Calling ``fc.autocast`` with the usual arguments
+    builds one of these in C; any other call, ``torch.compile``'s tracing included, builds
+    a plain ``autocast`` through ``__init__``."""
+
+    __slots__ = ()
+    if _native is not None:
+        __enter__ = _native.enter
+        __exit__ = _native.exit
+
+
+if _native is not None:
+    _native.install(
+        autocast,
+        NativeAutocast,
+        _state._stack,
+        default_recipe,
+        _runnable,
+        _recipe_types,
+        vars(_state),
+        _ran_nothing,
+        _levels_exited,
+        _NOT_HERE,
+    )

@@ -216,8 +216,8 @@ def test_a_wheel_in_a_fresh_environment_uses_the_fused_kernels(tmp_path):
     # beside the sources, which must not land in the checkout.
     source = tmp_path / "src"
     shutil.copytree(ROOT / "fastcast", source / "fastcast",
-                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))  # fmt: skip
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
     _pip("wheel", str(source), "--no-deps", *isolation, "-w", str(tmp_path / "dist"), "-q")
     (wheel,) = (tmp_path / "dist").glob("fastcast-*.whl")
@@ -244,6 +244,13 @@ def test_a_wheel_in_a_fresh_environment_uses_the_fused_kernels(tmp_path):
     assert where.startswith(site), where  # the wheel's copy, not the checkout
     installed = {p.name for p in (Path(where).parent / "kernels" / "csrc").iterdir()}
     assert installed >= {p.name for p in (*build.SOURCES, *build.HEADERS)}
+    # The wheel compiled fc.autocast's C hot path (setup.py) and uses it.
+    made = "import fastcast as fc; fc.autocast(False); print(type(fc.autocast(False)).__name__)"
+    native = subprocess.run(
+        [python, "-c", made],
+        env=env, cwd=tmp_path, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert native == "NativeAutocast", native
 
     # Same sources, compiler, flags, Python and torch: the wheel's build is the
     # checkout's (`make kernels` built it), found under the same key.

@@ -1,4 +1,8 @@
-"""``fc.autocast``: nesting, restoration, re-entry, decorators, threads, support checks."""
+"""``fc.autocast``: nesting, restoration, re-entry, decorators, threads, support checks.
+
+Every test runs twice: with the C construction, ``__enter__`` and ``__exit__``
+(``fastcast/runtime/_native.c``, skipped where it is not built) and with the Python
+methods alone, the reference that runs where it is not built."""
 
 from __future__ import annotations
 
@@ -21,6 +25,22 @@ autocast_module = importlib.import_module("fastcast.autocast")  # the module, no
 ON_CPU_ONLY = pytest.mark.skipif(
     torch.cuda.is_available(), reason="asserts the CPU capability table"
 )
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def construction(request):
+    """Which implementation the usual ``fc.autocast(...)`` call gets in this test."""
+    native = autocast_module._native
+    if native is None:
+        if request.param == "native":
+            pytest.skip("fastcast.runtime._native is not built here")
+        yield request.param
+        return
+    native.set_fast_construction(request.param == "native")
+    try:
+        yield request.param
+    finally:
+        native.set_fast_construction(True)
 
 
 def quantizer_factory(role):
