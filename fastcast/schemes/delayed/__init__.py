@@ -6,15 +6,18 @@ of earlier steps.
   module's columns into one update, and the update itself;
 - ``scheme``: the scheme (plans, per-call hooks, the per-owner step state and when the
   updates run);
+- ``saved_state``: how that state is saved in a module's extra state (kind 1 of the
+  codec ``fastcast.serialization.extra_state``, which knows it only as a registered
+  ``StateFormat``), loaded and validated;
 - ``te_state``: TransformerEngine's delayed-scaling extra state, read into ``ScalingMeta``s.
 
 Compiled code reaches it through ``fastcast.compile`` (``compile/delayed.py`` traces
-these quantizers into graphs); the extra-state codec
-(``fastcast.serialization.extra_state``) saves the state.
+these quantizers into graphs).
 """
 
 from __future__ import annotations
 
+from .saved_state import DelayedStateFormat
 from .scheme import (
     DelayedPlan,
     DelayedScalingScheme,
@@ -38,6 +41,7 @@ __all__ = [
     "DelayedPlan",
     "DelayedScalingScheme",
     "DelayedState",
+    "DelayedStateFormat",
     "DelayedThreadState",
     "ScalingMeta",
     "ScalingOrigin",
