@@ -18,9 +18,7 @@ from ..reference.cast import as_matrix
 from ..reference.hadamard import transform_rows
 
 OPERANDS = ("input", "weight", "grad_output")
-
 LAYOUTS = ("rowwise", "columnwise")
-
 
 # Relative slack when telling a clipped element from one that decodes to exactly the
 # maximum (the amax element of current scaling: its product rounds in FP32).
