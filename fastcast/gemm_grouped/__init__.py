@@ -43,13 +43,7 @@ import torch
 
 from ..recipe import Recipe
 from .emulation import E2M1_MAX, E4M3_MAX, quantize_columns, quantize_rows, quantize_weight
-from .gemms import (
-    grouped_dgrad,
-    grouped_forward,
-    grouped_wgrad,
-    operands_2d_2d,
-    operands_2d_3d,
-)
+from .gemms import grouped_dgrad, grouped_forward, grouped_wgrad, operands_2d_2d, operands_2d_3d
 from .groups import group_amax, group_ids, pad_groups, padded_rows
 from .scaling import BLOCK_TILE, GroupedScaling, grouped_scaling
 

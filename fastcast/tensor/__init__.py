@@ -23,16 +23,7 @@ Here: ``families.py`` (the GEMM families and scale blocks), ``base.py``
 from __future__ import annotations
 
 from .base import STORAGE, QuantizedTensor, register_storage
-from .families import (
-    BLOCKWISE,
-    FAMILIES,
-    MXFP8,
-    NVFP4,
-    ROWWISE,
-    TENSORWISE,
-    WHOLE,
-    block_family,
-)
+from .families import BLOCKWISE, FAMILIES, MXFP8, NVFP4, ROWWISE, TENSORWISE, WHOLE, block_family
 from .storages import Float8Tensor, MXFP8Tensor, NVFP4Tensor
 
 __all__ = [
