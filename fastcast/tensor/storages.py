@@ -14,6 +14,7 @@ import torch
 
 from ..kernels import fused_op
 from ..reference.decode import decode_e8m0, unpack_e2m1
+from ..reference.hadamard import transform_rows
 from .base import QuantizedTensor, register_storage
 from .families import MXFP8, NVFP4, block_family
 
@@ -109,8 +110,6 @@ class NVFP4Tensor(QuantizedTensor):
             return out.t().reshape(self.shape).to(dtype)
         out = self._dequantize_layout(self.data, self.scale_inv, self.block)
         if self.rht is not None:
-            from .reference.hadamard import transform_rows  # (quantize imports this module)
-
             out = transform_rows(out, self.rht, inverse=True)
         return out.reshape(self.shape).to(dtype)
 
