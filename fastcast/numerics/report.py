@@ -30,9 +30,6 @@ def _worst_first(row: dict[str, Any]) -> tuple:
     return (-math.inf if math.isnan(sqnr) else sqnr, -row["underflow"], -row["saturated"])
 
 
-# --------------------------------------------------------------------------- the report
-
-
 class Report:
     """What an inspection recorded: rows, a per-layer table, the layers to act on."""
 

@@ -21,7 +21,6 @@ from typing import Any
 from .pickle_symbols import _Bytes, _Malformed, _Unknown
 
 
-# -- reading opcode arguments, as CPython's _pickle reads them -----------------------------
 def _need(buf: bytes, pos: int, end: int, size: int) -> int:
     if size < 0 or pos + size > end:
         raise _Malformed(f"it ends inside an argument of {size} bytes")
