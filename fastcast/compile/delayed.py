@@ -37,7 +37,7 @@ from ..recipe import DelayedScaling
 from ..runtime import state as _state
 from ..runtime.state import AutocastFrame, Stack
 from ..schemes import Plan, scheme_for
-from ..schemes.delayed.scheme import DelayedScalingScheme
+from ..schemes.delayed.owners import DelayedThreadState
 from ..schemes.delayed.state import BACKWARD, FORWARD
 
 
@@ -137,7 +137,7 @@ class _TracedThreadState:
     recipes' exits leave any pending update to the next exit in eager."""
 
     def __init__(self) -> None:
-        self.schemes = {DelayedScalingScheme: self}
+        self.schemes = {DelayedThreadState: self}
 
     def frame_exited(self, frame: AutocastFrame, below: Stack, ok: bool) -> None:
         if isinstance(frame.recipe, DelayedScaling) and frame.opens_step(below):

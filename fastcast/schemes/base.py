@@ -2,9 +2,10 @@
 
 A scheme is the one place that knows, for one recipe type, its GEMM family, the
 alignment its layers need, how to build quantizers for a (recipe, group) pair, and, for
-stateful recipes, the lifecycle hooks (per call, per backward, on autocast exit).
-Schemes register by recipe type; adding a recipe is a recipe class, a scheme and a
-quantizer module, with nothing else edited.
+stateful recipes, the lifecycle hooks (per call, per backward, on autocast exit) and
+the per-module state (``ModuleState``, saved through a ``StateFormat``). Schemes
+register by recipe type; adding a recipe is a recipe class, a scheme and a quantizer
+module, with nothing else edited.
 """
 
 from __future__ import annotations
@@ -92,9 +93,15 @@ class Plan:
 
 class ModuleState(Protocol):
     """One value of a module's per-module scheme state (``module_state``: key -> value,
-    kept by the module, made by ``Scheme.prepare``/``Scheme.plan``, saved in its extra
-    state by ``fastcast.serialization.extra_state``). Delayed scaling's is
-    ``ScalingMeta``. The module handles it only through this protocol and the functions below."""
+    kept by the module, made by ``Scheme.prepare``/``Scheme.plan``). Delayed scaling's
+    is ``ScalingMeta``. The module handles it only through this protocol and the
+    functions below.
+
+    A stateful scheme also says how its state is saved: a ``StateFormat`` registered for
+    its value type (``fastcast.serialization.state_format``) encodes a module's state into
+    the extra-state tensor and loads it back, validated; the codec knows nothing else of
+    it (delayed scaling's: ``schemes/delayed/saved_state.py``). State without a format is
+    refused when saved, never dropped."""
 
     @property
     def device(self) -> torch.device:
@@ -169,9 +176,8 @@ class Scheme:
         self, frame: AutocastFrame, module_state: dict[Any, ModuleState], device: torch.device
     ) -> Plan:
         """A module's plan for ``frame``; stateful schemes keep per-module state in
-        ``module_state`` (the module's, values following ``ModuleState``; the checkpoint
-        format saves delayed scaling's per direction, and refuses to save anything else
-        rather than drop it)."""
+        ``module_state`` (the module's, values following ``ModuleState``, saved by the
+        ``StateFormat`` registered for their type)."""
         recipe = frame.recipe
         quantizers = self.quantizers(recipe, frame.group)
         return Plan(

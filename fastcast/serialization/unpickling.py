@@ -1,20 +1,19 @@
 """Unpickling only what an allow-list names, described first.
 
 ``unpickle`` loads a payload with a ``pickle.Unpickler`` whose ``find_class`` gives only
-what an ``AllowList`` names, after ``pickles.inspect_pickle`` described the payload
-without surprises. Tensors and storages are rebuilt here (``TORCH_ALLOW_LIST``), never
-by torch's own loader: every size the payload claims is checked against the bytes it
-holds before anything is allocated, and loaded tensors are plain data (no autograd, no
-state set on them). Nothing here knows any library's format;
-``schemes/delayed/te_state.py`` extends
-``TORCH_ALLOW_LIST`` with TransformerEngine's recipe classes.
+what an ``AllowList`` names, after ``pickle_model.inspect_pickle`` described the payload
+without surprises: here the unpicklers (a bare pickle, a ``torch.save`` archive, a legacy
+``torch.save`` stream) and ``TORCH_ALLOW_LIST``. Tensors and storages are rebuilt by
+``unpickled_torch.py``, never by torch's own loader: every size the payload claims is
+checked against the bytes it holds before anything is allocated, and loaded tensors are
+plain data (no autograd, no state set on them). Nothing here knows any library's format;
+``transformer_engine.py`` extends ``TORCH_ALLOW_LIST`` with TransformerEngine's recipe
+classes.
 """
 
 from __future__ import annotations
 
-import collections
 import io
-import math
 import pickle
 import struct
 import sys
@@ -23,147 +22,20 @@ from typing import Any
 
 import torch
 
-from .pickle_model import ZIP_MAGIC, AllowList, _clip, escape, inspect_pickle
-
-
-class _ReadOnly:
-    """Instances cannot be changed after construction (by unpickling's BUILD, say)."""
-
-    __slots__ = ()
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"{type(self).__name__} objects cannot be changed")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"{type(self).__name__} objects cannot be changed")
-
-
-class _Allowed(_ReadOnly):
-    """A function the restricted unpickler gives for an allowed global."""
-
-    __slots__ = ("_func", "_name")
-
-    def __init__(self, func: Any, name: str) -> None:
-        object.__setattr__(self, "_func", func)
-        object.__setattr__(self, "_name", name)
-
-    def __call__(self, *args: Any) -> Any:
-        return self._func(*args)
-
-    def __repr__(self) -> str:
-        return f"<fastcast's restricted {self._name}>"
-
-
-class _StorageType(_ReadOnly):
-    """A ``torch.*Storage`` class named in a persistent id: only its dtype is used."""
-
-    __slots__ = ("name", "dtype")
-
-    def __init__(self, name: str, dtype: torch.dtype) -> None:
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "dtype", dtype)
-
-
-class _Storage(_ReadOnly):
-    """Bytes read for a tensor, and their element type."""
-
-    __slots__ = ("untyped", "dtype")
-
-    def __init__(self, untyped: torch.UntypedStorage, dtype: torch.dtype) -> None:
-        object.__setattr__(self, "untyped", untyped)
-        object.__setattr__(self, "dtype", dtype)
-
-
-class _PlainOrderedDict(collections.OrderedDict):  # type: ignore[type-arg]
-    """``collections.OrderedDict`` as unpickled: items only. Given a state by ``BUILD``
-    it would keep instance attributes (its own ``get``, say) that shadow dict methods."""
-
-    def __setstate__(self, state: Any) -> None:
-        raise pickle.UnpicklingError("an OrderedDict given a state (BUILD)")
-
-    def __reduce__(self) -> Any:  # copies and pickles as the plain OrderedDict it stands for
-        return collections.OrderedDict, (list(self.items()),)
-
-
-def _is_int(value: Any) -> bool:
-    return type(value) is int
-
-
-def _refuse_tensor_state(*args: Any) -> None:
-    raise pickle.UnpicklingError("a tensor given a state (BUILD would call Tensor.__setstate__)")
-
-
-def _rebuild_tensor(
-    storage: Any,
-    storage_offset: Any,
-    size: Any,
-    stride: Any,
-    requires_grad: Any = False,
-    backward_hooks: Any = None,
-    metadata: Any = None,
-) -> torch.Tensor:
-    """``torch._utils._rebuild_tensor(_v2)``, checking what it is given: a view that fits
-    inside its storage and claims no more elements than the storage holds (``set_``
-    would otherwise grow the storage, and a stride-0 view of one element could claim
-    millions that every later copy allocates), no hooks, no metadata. The tensor is plain
-    data: ``requires_grad`` is checked but not applied (loaded state takes no part in
-    autograd)."""
-    if not isinstance(storage, _Storage):
-        raise pickle.UnpicklingError("a tensor whose data is not a storage")
-    if not (
-        _is_int(storage_offset)
-        and isinstance(size, tuple)
-        and isinstance(stride, tuple)
-        and len(size) == len(stride)
-        and all(_is_int(n) and n >= 0 for n in size)
-        and all(_is_int(n) and n >= 0 for n in stride)
-        and storage_offset >= 0
-        and type(requires_grad) is bool
-    ):
-        raise pickle.UnpicklingError("a tensor with a malformed size, stride or offset")
-    if not (backward_hooks is None or (isinstance(backward_hooks, dict) and not backward_hooks)):
-        raise pickle.UnpicklingError("a tensor with backward hooks")
-    if not (metadata is None or (type(metadata) is dict and not metadata)):
-        raise pickle.UnpicklingError("a tensor with metadata")
-    itemsize = storage.dtype.itemsize
-    held = storage.untyped.nbytes() // itemsize - storage_offset
-    numel = math.prod(size)
-    if numel > max(held, 0):
-        raise pickle.UnpicklingError(
-            f"a tensor of {numel} elements whose storage holds {max(held, 0)} after its offset"
-        )
-    last = storage_offset + sum((n - 1) * s for n, s in zip(size, stride)) if numel else -1
-    if (last + 1) * itemsize > storage.untyped.nbytes():
-        raise pickle.UnpicklingError("a tensor reaching past the end of its storage")
-    tensor = torch.empty((0,), dtype=storage.dtype)
-    tensor.set_(storage.untyped, storage_offset, size, stride)
-    return tensor
-
-
-def _latin1(text: Any, encoding: Any) -> bytes:
-    """``_codecs.encode`` for what protocols 0 to 2 pickle bytes as: latin-1 text."""
-    if type(text) is not str or encoding not in ("latin1", "latin-1"):
-        raise pickle.UnpicklingError("_codecs.encode other than of text to latin-1")
-    return text.encode("latin-1")
-
-
-_STORAGE_DTYPES = {
-    "DoubleStorage": torch.float64,
-    "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64,
-    "ComplexDoubleStorage": torch.complex128,
-    "UntypedStorage": torch.uint8,
-}
-_TENSOR_REBUILDS = frozenset(
-    {("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2")}
+from .pickle_model import AllowList, escape, inspect_pickle
+from .pickle_symbols import ZIP_MAGIC, _clip
+from .unpickled_torch import (
+    _TENSOR_REBUILDS,
+    STORAGE_ALLOW_LIST,
+    _Allowed,
+    _is_int,
+    _latin1,
+    _PlainOrderedDict,
+    _rebuild_tensor,
+    _refuse_tensor_state,
+    _Storage,
+    _storage_types,
+    _StorageType,
 )
 
 
@@ -183,17 +55,6 @@ def _load_nested_storage(data: Any) -> _Storage:
             f"torch.storage._load_from_bytes gives a {type(loaded).__name__}, not a storage"
         )
     return loaded
-
-
-def _storage_types() -> dict[tuple[str, str], Any]:
-    allowed: dict[tuple[str, str], Any] = {}
-    for name, dtype in _STORAGE_DTYPES.items():
-        allowed["torch", name] = allowed["torch.cuda", name] = _StorageType(name, dtype)
-    return allowed
-
-
-# What a torch.save of a storage is made of (the bytes torch.storage._load_from_bytes gets).
-STORAGE_ALLOW_LIST = AllowList(_storage_types(), "storages")
 
 
 def _torch_allow_list() -> AllowList:

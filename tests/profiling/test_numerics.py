@@ -16,7 +16,7 @@ from torch import nn
 
 import fastcast as fc
 from fastcast.nn import linear as linear_module
-from fastcast.numerics import _Tap
+from fastcast.numerics.inspector import _Tap
 
 FMT_MAX = 448.0
 

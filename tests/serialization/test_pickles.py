@@ -29,8 +29,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import fastcast as fc
+from fastcast.serialization import pickle_machine, pickle_payloads, unpickling
 from fastcast.serialization import pickle_model as pickles
-from fastcast.serialization import unpickling
 from fastcast.serialization.transformer_engine import (
     TE_ALLOW_LIST,
     TE_RECIPE_MODULE,
@@ -794,8 +794,8 @@ def test_the_model_reads_every_benign_pickle_as_pickle_does(tree, protocol, shar
     ops = list(pickletools.genops(data))
     # Opcode for opcode: as many as pickletools reads, ending where it ends.
     report = pickles.PickleReport(len(data), "pickle")
-    model = pickles._Model(report, None)
-    end = pickles._Machine(model, 0).run(data, 0, len(data))
+    model = pickle_payloads._Model(report, None)
+    end = pickle_machine._Machine(model, 0).run(data, 0, len(data))
     assert model.opcodes == len(ops) and end == ops[-1][2] + 1 == len(data)
     # What pickle imports is what the description lists, and nothing is unknown.
     unpickler = _RecordingUnpickler(data)

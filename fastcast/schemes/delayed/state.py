@@ -1,7 +1,7 @@
 """Delayed scaling storage: amax histories and scales, updated in batches.
 
-What the recipe means, and when updates happen, is ``scheme.py`` beside it; this module
-holds the tensors.
+What the recipe means is ``scheme.py`` beside it, and when updates happen ``owners.py``;
+this module holds the tensors.
 
 Every module keeps, per direction (forward: input and weight; backward: grad_output), a
 ``ScalingMeta``: an amax history ``[L, n]`` and scales ``[n]``. Once a module runs under
@@ -276,7 +276,7 @@ class Slab:
         self.fmt = fmt
         self.members: list[weakref.ref[ScalingMeta]] = []
         self.lost_members = False
-        self.owner: Any = None  # the owner state that made it (scheme.py: DelayedState)
+        self.owner: Any = None  # the owner state that made it (owners.py: DelayedState)
         self.history = torch.zeros(recipe.amax_history_len, 0, device=device)
         self.scale = torch.ones(0, device=device)
 

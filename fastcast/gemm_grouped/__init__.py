@@ -1,0 +1,134 @@
+"""Grouped scaled GEMMs for mixture-of-experts layers: ``x @ W[e].T`` for each expert's
+token group, and their two backward GEMMs, with every recipe's scaling.
+
+Layout (that of ``torch._grouped_mm``): the tokens ``x`` ``[T, K]`` are sorted by
+expert; ``offs`` ``[E]`` (int32, on the tokens' device) holds the cumulative end of
+each expert's group; the experts' weights are one ``[E, N, K]`` tensor. Group sizes
+never leave the device: every per-group quantity (a group's scale, the group of a
+token, the padding of a group to a block multiple) is computed with device-side index
+arithmetic (``searchsorted``, ``scatter_reduce``, ``index_copy``), so a forward and
+backward make no device-to-host synchronisation, can be captured in a CUDA graph and
+compile with ``fullgraph=True``.
+
+Scaling, per recipe family (the contraction dim of each GEMM is the one blocks run
+along, as for the dense GEMMs):
+
+- per-tensor (``Float8CurrentScaling``; ``DelayedScaling`` too, see ``grouped_scaling``):
+  one scale per expert's weight and one per token group;
+- row-wise: per token (forward, dgrad), per expert row / column of the weight, per
+  (group, feature) for the weight-gradient operands, which contract over the tokens;
+- 1x128 / 128x128 blocks, MXFP8 (1x32, E8M0), NVFP4 (1x16 or 16x16, E4M3 block scales
+  and an FP32 scale per expert / per token group): blocks along K; the weight-gradient
+  operands have blocks along the tokens, so each group is padded with zero rows to the
+  block multiple (at device-computed positions, into a buffer of a size known from the
+  shapes alone: ``T + E * (block - 1)``), so that no block spans two experts.
+
+Backends, chosen by capability as for the dense GEMMs (``hardware.grouped_gemm_backend``):
+``torch._scaled_grouped_mm`` on CUDA GPUs that have it (sm90, sm100) for the per-tensor
+and row-wise families with E4M3 operands (other families and E5M2 operands emulate);
+elsewhere (the CPU) the emulation: each operand quantized and dequantized in one pass
+(the codes the hardware would read, times their scales, in FP32) and multiplied by
+``torch._grouped_mm`` in FP32 (FP32 accumulation, as the tensor cores).
+
+Here: ``grouped_mm`` and its autograd Function; ``scaling.py`` (what a recipe means for
+the grouped GEMM), ``groups.py`` (token groups on the device), ``emulation.py`` (the
+emulated operands) and ``gemms.py`` (the three GEMMs, on the hardware or emulated).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..recipe import Recipe
+from .emulation import E2M1_MAX, E4M3_MAX, quantize_columns, quantize_rows, quantize_weight
+from .gemms import grouped_dgrad, grouped_forward, grouped_wgrad, operands_2d_2d, operands_2d_3d
+from .groups import group_amax, group_ids, pad_groups, padded_rows
+from .scaling import BLOCK_TILE, GroupedScaling, grouped_scaling
+
+__all__ = [
+    "BLOCK_TILE",
+    "E2M1_MAX",
+    "E4M3_MAX",
+    "GroupedGemm",
+    "GroupedScaling",
+    "group_amax",
+    "group_ids",
+    "grouped_dgrad",
+    "grouped_forward",
+    "grouped_mm",
+    "grouped_scaling",
+    "grouped_wgrad",
+    "operands_2d_2d",
+    "operands_2d_3d",
+    "output_dtype",
+    "pad_groups",
+    "padded_rows",
+    "quantize_columns",
+    "quantize_rows",
+    "quantize_weight",
+]
+
+
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+class GroupedGemm(torch.autograd.Function):
+    """The grouped FP8/FP4 GEMM ``x @ w[e].T`` per token group and its backward GEMMs.
+
+    Saves the high-precision input and weight (autograd holds both anyway in a MoE
+    block) and quantizes their backward layouts in backward.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, s: GroupedScaling
+    ) -> torch.Tensor:
+        gid = group_ids(offs, x.shape[0])
+        out = grouped_forward(x, w, offs, s, gid, output_dtype(x))
+        ctx.save_for_backward(x, w, offs, gid)
+        ctx.scaling = s
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, w, offs, gid = ctx.saved_tensors
+        s = ctx.scaling
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = grouped_dgrad(grad, w, offs, s, gid, x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = grouped_wgrad(grad, x, offs, s, gid, w.shape[0], w.dtype)
+        return dx, dw, None, None
+
+
+def grouped_mm(
+    x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, recipe: Recipe
+) -> torch.Tensor:
+    """``x[t] @ weight[e].T`` for the tokens ``t`` of group ``e`` (``offs``: int32
+    cumulative group ends, on ``x``'s device), quantized as ``recipe`` says, differentiable
+    in ``x`` and ``weight``. Rows past ``offs[-1]`` are left unspecified, as in
+    ``torch._grouped_mm``."""
+    _check(x, weight, offs)
+    s = grouped_scaling(recipe)
+    return GroupedGemm.apply(x, weight, offs, s)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> None:
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
+        raise ValueError(
+            f"grouped GEMM: expects x [T, K] and weight [E, N, K], got {tuple(x.shape)} "
+            f"and {tuple(weight.shape)}"
+        )
+    if offs.dim() != 1 or offs.shape[0] != weight.shape[0] or offs.dtype != torch.int32:
+        raise ValueError(
+            f"grouped GEMM: offs must be int32 [E={weight.shape[0]}] (cumulative group ends), "
+            f"got {offs.dtype} {tuple(offs.shape)}"
+        )
+    if offs.device != x.device:
+        raise ValueError(f"grouped GEMM: offs is on {offs.device}, the tokens on {x.device}")

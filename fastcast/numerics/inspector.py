@@ -1,0 +1,268 @@
+"""The inspection: which steps are sampled, and the taps that record them.
+
+On a sampled step ``Inspector`` stands a recording quantizer (``_Tap``) in for each of a
+layer's quantizers, through a wrapper of ``fastcast.nn.linear.plan_for`` that is in place
+only during sampled steps; with ``step="autocast"`` a wrapper of ``fc.autocast.__enter__``
+begins each step. Observations stay on the device until ``_flush`` brings them to the
+host and adds them up per (step, layer, operand, layout).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..autocast import autocast as _autocast
+from ..nn import linear as _linear
+from ..nn.linear import Linear
+from ..quantizers.tensorwise import DelayedScalingQuantizer
+from ..runtime.state import frames, get_stack
+from .report import Report
+from .stats import _FIELDS, LAYOUTS, OPERANDS, _derive, _nanmax, layout_stats
+
+
+class _Tap:
+    """A layer's quantizer during a sampled step: quantizes with it, then records.
+
+    Every attribute other than ``quantize`` is the wrapped quantizer's (``fmt``, a
+    delayed quantizer's ``meta``), so code reading them sees the layer's own.
+    """
+
+    __slots__ = ("inner", "layer", "operand", "inspector", "margin")
+
+    def __init__(
+        self, inner: Any, layer: str, operand: str, inspector: Inspector, margin: int
+    ) -> None:
+        self.inner = inner
+        self.layer = layer
+        self.operand = operand
+        self.inspector = inspector
+        self.margin = margin
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def quantize(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False) -> Any:
+        q = self.inner.quantize(x, rowwise=rowwise, columnwise=columnwise)
+        if not torch.compiler.is_compiling():
+            self.inspector._observe(self, x, q)
+        return q
+
+
+class Inspector:
+    """An inspection of ``model``'s ``fc.Linear`` layers (see the module docstring).
+
+    A context manager (``with fc.inspect(model, every=10) as insp: ...``) or a
+    ``start()``/``stop()`` pair; ``report()`` at any time gives what has been recorded.
+    One inspection at a time per process.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        every: int = 1,
+        *,
+        step: str = "autocast",
+        threshold_db: float | dict[str, float] | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"fc.inspect: model must be an nn.Module, got {type(model).__name__}")
+        if type(every) is not int or every < 1:
+            raise ValueError(f"fc.inspect: every must be an int >= 1, got {every!r}")
+        if step not in ("autocast", "manual"):
+            raise ValueError(f"fc.inspect: step must be 'autocast' or 'manual', got {step!r}")
+        self.every = every
+        self.step_mode = step
+        self.threshold_db = threshold_db
+        # Layer -> qualified name, weakly: the inspection keeps no module alive.
+        self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        for name, module in model.named_modules():
+            if isinstance(module, Linear):
+                self._names[module] = name or module._fc_name or "(model)"
+        if not len(self._names):
+            raise ValueError(
+                "fc.inspect: the model has no fc.Linear layer to inspect (fc.convert it first)"
+            )
+        self._step = -1
+        self._active = False
+        self._sampling = False
+        self._plans: list[Any] = []  # plans whose quantizers are taps now
+        self._recipes: dict[str, Any] = {}  # layer -> the recipe it ran
+        self._pending: list[tuple[tuple, str, torch.Tensor]] = []
+        self._acc: dict[tuple, dict[str, Any]] = {}
+        self._saved_enter: Any = None
+        self._saved_plan_for: Any = None
+
+    # -- on and off ----------------------------------------------------------------------
+    def start(self) -> Inspector:
+        """Start recording (with ``step="manual"``, step 0 begins now)."""
+        if self._active:
+            raise RuntimeError("fc.inspect: this inspection is already on")
+        if getattr(_autocast.__dict__["__enter__"], "_fc_inspector", None) is not None or (
+            getattr(_linear.plan_for, "_fc_inspector", None) is not None
+        ):
+            raise RuntimeError("fc.inspect: another inspection is on; stop it first")
+        self._active = True
+        if self.step_mode == "autocast":
+            self._install_enter()
+        else:
+            self._begin(self._step + 1)
+        return self
+
+    def stop(self) -> None:
+        """Stop recording and put back everything the inspection replaced."""
+        if not self._active:
+            return
+        self._active = False
+        self._set_sampling(False)
+        if self._saved_enter is not None:
+            if _autocast.__dict__["__enter__"] is getattr(self, "_enter_wrapper", None):
+                _autocast.__enter__ = self._saved_enter
+            self._saved_enter = None
+            self._enter_wrapper = None
+        self._flush()
+
+    def __enter__(self) -> Inspector:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def current_step(self) -> int:
+        """The step being recorded or skipped (-1 before the first)."""
+        return self._step
+
+    def step(self) -> None:
+        """Begin the next step (``step="manual"`` only)."""
+        if self.step_mode != "manual":
+            raise RuntimeError(
+                "fc.inspect: steps begin at each outermost fc.autocast entry here; pass "
+                "step='manual' to fc.inspect to step by hand"
+            )
+        if not self._active:
+            raise RuntimeError("fc.inspect: the inspection is not on (start it first)")
+        self._begin(self._step + 1)
+
+    def report(self, threshold_db: float | dict[str, float] | None = None) -> Report:
+        """What has been recorded so far."""
+        self._flush()
+        threshold = self.threshold_db if threshold_db is None else threshold_db
+        return Report(
+            [_derive(key, acc) for key, acc in self._acc.items()], threshold, self._recipes
+        )
+
+    # -- steps ---------------------------------------------------------------------------
+    def _install_enter(self) -> None:
+        original = _autocast.__dict__["__enter__"]
+        begin_next = self._begin_next
+
+        def enter(frame: Any) -> Any:
+            # An outermost enabled level begins a step (before it is entered).
+            if frame.enabled and not torch.compiler.is_compiling():
+                if not any(f.active for f in frames(get_stack())):
+                    begin_next()
+            return original(frame)
+
+        enter._fc_inspector = True  # type: ignore[attr-defined]
+        self._saved_enter, self._enter_wrapper = original, enter
+        _autocast.__enter__ = enter
+
+    def _begin_next(self) -> None:
+        self._begin(self._step + 1)
+
+    def _begin(self, index: int) -> None:
+        self._step = index
+        self._flush()
+        self._set_sampling(index % self.every == 0)
+
+    def _set_sampling(self, on: bool) -> None:
+        if on == self._sampling:
+            return
+        self._sampling = on
+        if on:
+            original = _linear.plan_for
+            names, tap = self._names, self._tap
+
+            def plan_for(module: Any, frame: Any, weight: torch.Tensor) -> Any:
+                plan = original(module, frame, weight)
+                if type(plan.grad_q) is not _Tap and not torch.compiler.is_compiling():
+                    name = names.get(module)
+                    if name is not None:
+                        tap(plan, name)
+                return plan
+
+            plan_for._fc_inspector = True  # type: ignore[attr-defined]
+            self._saved_plan_for, self._plan_for_wrapper = original, plan_for
+            _linear.plan_for = plan_for
+            return
+        if _linear.plan_for is getattr(self, "_plan_for_wrapper", None):
+            _linear.plan_for = self._saved_plan_for
+        self._saved_plan_for = self._plan_for_wrapper = None
+        for plan in self._plans:
+            for attr in ("input_q", "weight_q", "grad_q"):
+                q = getattr(plan, attr)
+                if type(q) is _Tap:
+                    setattr(plan, attr, q.inner)
+        self._plans = []
+
+    def _tap(self, plan: Any, name: str) -> None:
+        recipe = plan.recipe
+        self._recipes[name] = recipe
+        margin = getattr(recipe, "margin", 0)
+        for attr, operand in zip(("input_q", "weight_q", "grad_q"), OPERANDS):
+            setattr(plan, attr, _Tap(getattr(plan, attr), name, operand, self, margin))
+        self._plans.append(plan)
+
+    # -- recording -----------------------------------------------------------------------
+    def _observe(self, tap: _Tap, x: torch.Tensor, q: Any) -> None:
+        if not self._active:  # a backward that outlived stop() (its call kept the taps)
+            return
+        margin = tap.margin if isinstance(tap.inner, DelayedScalingQuantizer) else None
+        for layout in LAYOUTS:
+            present = q.has_rowwise if layout == "rowwise" else q.has_columnwise
+            if present:
+                key = (self._step, tap.layer, tap.operand, layout)
+                self._pending.append((key, q.fmt, layout_stats(x, q, layout, margin)))
+
+    def _flush(self) -> None:
+        """Bring pending statistics to the host and add them up."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        host = torch.stack([p[2].cpu() for p in pending]).tolist()
+        for (key, fmt, _), values in zip(pending, host):
+            stats = dict(zip(_FIELDS, values))
+            acc = self._acc.get(key)
+            if acc is None:
+                self._acc[key] = {**stats, "fmt": fmt, "calls": 1}
+                continue
+            acc["calls"] += 1
+            for name in ("signal", "noise", "elements", "nonzero", "underflow", "saturated"):
+                acc[name] += stats[name]
+            acc["log_scale_sum"] += stats["log_scale_sum"]
+            acc["scales"] += stats["scales"]
+            acc["amax"] = _nanmax(acc["amax"], stats["amax"])
+            acc["scale_max"] = _nanmax(acc["scale_max"], stats["scale_max"])
+            acc["scale_min"] = -_nanmax(-acc["scale_min"], -stats["scale_min"])
+            acc["stale"] = _nanmax(acc["stale"], stats["stale"])
+
+
+def inspect(
+    model: nn.Module,
+    every: int = 1,
+    *,
+    step: str = "autocast",
+    threshold_db: float | dict[str, float] | None = None,
+) -> Inspector:
+    """Record FP8/FP4 numerics of ``model``'s ``fc.Linear`` layers every ``every`` steps.
+
+    ``with fc.inspect(model, every=10) as insp: train(...)``, then ``print(insp.report())``.
+    ``step``: ``"autocast"`` (a step begins at each outermost ``fc.autocast`` entry) or
+    ``"manual"`` (``insp.step()``). ``threshold_db``: SQNR below which a layer is flagged,
+    one number or one per element format (``DEFAULT_THRESHOLD_DB`` otherwise).
+    """
+    return Inspector(model, every, step=step, threshold_db=threshold_db)
