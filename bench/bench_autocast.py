@@ -3,11 +3,21 @@
 Every timed function runs ``INNER`` iterations of the operation, in loops of the same
 shape within a group (names bound to locals first), so that the per-iteration times in
 the report differ only by the operation itself.
+
+The autocast group runs in a fresh ``contextvars.Context`` (every entry, peers included):
+``fc.autocast`` keeps its state in a context variable, and setting one costs more the more
+variables the context holds. A training script's context holds none (measured after a
+Hugging Face Llama training step: ``len(contextvars.copy_context()) == 0``); pytest's holds
+one (``decimal``'s), which adds about 0.4x of an empty context manager to every context
+variable set and reset. ``test_fc_autocast_in_pytest_context`` measures that case, and
+``test_contextvar_cm`` the floor of any per-context state: a context manager that only
+sets and resets a variable.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import pytest
 import torch
@@ -97,10 +107,14 @@ def generator_cm(enabled=True, recipe=None, calibrating=False, amax_reduction_gr
     yield
 
 
-def _run(benchmark, group, loop):
+def _run(benchmark, group, loop, context=True):
+    """Time ``loop``; in a fresh context unless ``context`` is False (see above)."""
     benchmark.group = group
     benchmark.extra_info["inner"] = INNER
-    benchmark(loop)
+    if context:
+        benchmark(contextvars.Context().run, loop)
+    else:
+        benchmark(loop)
     assert not fc.is_autocast_enabled() and fc.get_autocast_recipe() is None
 
 
@@ -113,6 +127,45 @@ def test_fc_autocast(benchmark):
     def loop():
         for _ in range(INNER):
             with cm(recipe=recipe):
+                pass
+
+    _run(benchmark, AUTOCAST, loop)
+
+
+def test_fc_autocast_in_pytest_context(benchmark):
+    """As test_fc_autocast, in pytest's own context (one context variable set)."""
+    cm, recipe = fc.autocast, fc.DelayedScaling()
+
+    def loop():
+        for _ in range(INNER):
+            with cm(recipe=recipe):
+                pass
+
+    _run(benchmark, AUTOCAST, loop, context=False)
+
+
+_var: contextvars.ContextVar = contextvars.ContextVar("bench_autocast", default=None)
+
+
+class ContextVarCM:
+    """The floor of per-context state: set a context variable, reset it on exit."""
+
+    __slots__ = ("token",)
+
+    def __enter__(self):
+        self.token = _var.set(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        _var.reset(self.token)
+
+
+def test_contextvar_cm(benchmark):
+    cm = ContextVarCM
+
+    def loop():
+        for _ in range(INNER):
+            with cm():
                 pass
 
     _run(benchmark, AUTOCAST, loop)

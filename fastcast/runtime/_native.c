@@ -198,13 +198,18 @@ static PyObject *enter(PyObject *module, PyObject *self) {
         return NULL;
     }
     Py_DECREF(checked);
-    if (PyList_GET_ITEM(below, 1) != Py_None) { /* nested: refuse self if already below */
-        checked = PyObject_CallMethodOneArg(self, S_refuse_reentry, below);
-        if (checked == NULL) {
+    /* Nested: refuse self if it is already below (the Python method raises). */
+    for (PyObject *level = below; PyList_CheckExact(level) && PyList_GET_SIZE(level) == 3;
+         level = PyList_GET_ITEM(level, 1)) {
+        if (PyList_GET_ITEM(level, 0) == self) {
+            checked = PyObject_CallMethodOneArg(self, S_refuse_reentry, below);
+            if (checked != NULL) { /* it raises; never enter twice whatever it did */
+                Py_DECREF(checked);
+                PyErr_SetString(PyExc_RuntimeError, "fc.autocast: already active here");
+            }
             Py_DECREF(below);
             return NULL;
         }
-        Py_DECREF(checked);
     }
     PyObject *node = PyList_New(3); /* [self, below, token] as in state.Stack */
     if (node == NULL) {
