@@ -1202,7 +1202,9 @@ def qag_llama(recipe_name: str, rank: int | None, world: int) -> dict[str, Any]:
     )
     recipe = QAG_RECIPES[recipe_name]()
     torch.manual_seed(78)
-    model = fc.convert(transformers.LlamaForCausalLM(config), recipe=recipe, quantized_all_gather=True)
+    model = fc.convert(
+        transformers.LlamaForCausalLM(config), recipe=recipe, quantized_all_gather=True
+    )
     if rank is not None:
         from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
         from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
@@ -1218,7 +1220,8 @@ def qag_llama(recipe_name: str, rank: int | None, world: int) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the weights gathered in high precision
         for step in range(FP8AG_STEPS):
-            ids = torch.randint(0, 64, (2 * world, 16), generator=torch.Generator().manual_seed(step))
+            generator = torch.Generator().manual_seed(step)
+            ids = torch.randint(0, 64, (2 * world, 16), generator=generator)
             step_losses = []
             for r in [rank] if rank is not None else range(world):
                 with fc.autocast(recipe=recipe):

@@ -35,7 +35,7 @@ model)`` after the optimizer step does all of a model's weights in one all-reduc
 
 from __future__ import annotations
 
-from .blocks import GatheredQuantizedWeight
+from .gathered import GatheredQuantizedWeight
 from .tensorwise import GatheredFloat8Weight, weight_format, weight_quantizer
 from .weight import (
     GATHERED,

@@ -28,12 +28,13 @@ so backward's re-gather casts again without a collective.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+import torch.distributed as dist
+import torch.nn.functional as F
 
-from ...formats import FP8_DTYPES
 from ...quantizers.block import BlockScalingQuantizer
 from ...quantizers.mx import MXFP8Quantizer
 from ...quantizers.nvfp4 import NVFP4Quantizer
@@ -50,9 +51,8 @@ from ...reference.nvfp4 import BLOCK, pack_e2m1
 from ...reference.tiles import TILE
 from ...runtime.state import optimizer_steps
 from ...schemes import scheme_for
-from ...tensor import NVFP4Tensor, QuantizedTensor
+from ...tensor import NVFP4Tensor
 from ..amax import all_reduce_max
-from .tensorwise import VIEWS
 
 BLOCK_RECIPES = (Float8RowwiseScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)
 
@@ -95,25 +95,40 @@ def unaligned(quantizer: Any, rows: int, world: int) -> str:
     return ""
 
 
+# How a weight goes on the wire (``Wire.layout``):
+# - "one": the row-wise layout alone (square tiles: the column-wise one is its transpose);
+# - "both": both layouts in every gather (a weight FSDP2 does not re-gather in backward);
+# - "row" / "col": the forward's gather carries the row-wise layout, backward's re-gather
+#   the column-wise one, in the same buffers (codes, then the scales as padded bytes).
+LAYOUTS = ("one", "both", "row", "col")
+
+
 @dataclasses.dataclass
 class Wire:
     """What travels beside the gathered tensors (metadata): the quantized tensor's class
-    and fields, the scales every rank holds whole (reduced), the tensors' own dtypes."""
+    and fields, the scales every rank holds whole (reduced), the codes' and scales'
+    dtypes, the layout, and (split layouts) the shape of one rank's scales on the wire;
+    ``source`` and ``group``: the shard and the FSDP group, for a gather of its own."""
 
     cls: type
     fmt: str
     shape: torch.Size
     block: tuple[int, int]
     block_t: tuple[int, int]
-    dtypes: tuple[torch.dtype, ...]
+    dtypes: tuple[torch.dtype, torch.dtype]
     quantizer: Any
     replicated: dict[str, torch.Tensor]
+    layout: str
+    scale_shape: tuple[int, ...] = ()
+    source: Any = None
+    group: Any = None
+    param_dtype: Any = None
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``t`` as something every backend gathers: FP8 as bytes, FP32 as it is."""
     t = t.contiguous()
-    return t.view(torch.uint8) if t.dtype in (*FP8_DTYPES.values(), torch.float8_e4m3fn) else t
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
 
 
 def _reducer(weight: Any, group: Any) -> Any:
@@ -121,7 +136,7 @@ def _reducer(weight: Any, group: Any) -> Any:
     weight is cast at this version, replay the reduced amaxes afterwards."""
     key = (weight._tensor._version, optimizer_steps(install=True))
     kept = weight._kept
-    replay = list(kept[1]) if kept is not None and kept[0] == key else None
+    replay = list(kept[1]) if kept is not None and kept[0] == key else []
     record: list[torch.Tensor] = []
     weight._kept = (key, record)
 
@@ -136,140 +151,147 @@ def _reducer(weight: Any, group: Any) -> Any:
     return reduce
 
 
-def pre_all_gather(
-    weight: Any, mesh: Any, outer_size: torch.Size, param_dtype: torch.dtype | None
-) -> tuple[tuple[torch.Tensor, ...], Wire]:
-    """The shard quantized with the recipe's weight quantizer: its codes and block
-    scales to gather, the reduced scales as metadata."""
-    quantizer = weight_quantizer(weight.recipe)
+def _split_scale_bytes(quantizer: Any, rows: int, cols: int) -> int:
+    """Bytes of one rank's scales on the wire in the split layouts: the larger of the
+    row-wise and the column-wise ones (row-wise scaling's per-column scales go as
+    metadata) of a ``[rows, cols]`` shard."""
+    if isinstance(quantizer, RowwiseQuantizer):
+        return rows * 4
+    if isinstance(quantizer, BlockScalingQuantizer):  # 1x128 tiles, FP32 scales
+        return 4 * max(rows * -(-cols // TILE), cols * -(-rows // TILE))
+    block = MX_BLOCK if isinstance(quantizer, MXFP8Quantizer) else BLOCK
+    return rows * cols // block  # one byte per block, the same count either way
+
+
+def reshards_after_forward(weight: Any) -> bool:
+    """Whether FSDP2 re-gathers ``weight`` (a shard) in backward: its parameter group
+    reshards after forward. False when that cannot be told (both layouts then go in
+    every gather, which is right either way)."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - a torch without it
+        return False
+    for ref in list(_module_state_mapping.values()):
+        state = ref() if callable(ref) else ref
+        group = getattr(state, "_fsdp_param_group", None)
+        for param in getattr(group, "fsdp_params", ()):
+            if param._sharded_local_tensor is weight:
+                return group.post_forward_mesh_info is not None
+    return False
+
+
+def layout_for(weight: Any, quantizer: Any) -> str:
+    """The layout of this gather (``LAYOUTS``); the split is decided at the first."""
+    if transposable(quantizer):
+        return "one"
+    if weight._split is None:
+        weight._split = reshards_after_forward(weight)
+    if not weight._split:
+        return "both"
+    return "col" if torch._C._current_graph_task_id() != -1 else "row"
+
+
+def wire_inputs(
+    weight: Any,
+    quantizer: Any,
+    layout: str,
+    group: Any,
+    outer_size: torch.Size,
+    param_dtype: torch.dtype | None,
+) -> tuple[list[torch.Tensor], Wire]:
+    """The shard quantized with the recipe's weight quantizer for ``layout``: the codes
+    and block scales to gather (rows along dim 0), the reduced scales as metadata."""
     tensor = weight._tensor
     if param_dtype is not None:  # what FSDP2's mixed precision gathers (and one casts)
         tensor = tensor.to(param_dtype)
-    two = not transposable(quantizer)
+    rowwise, columnwise = layout != "col", layout in ("both", "col")
     kwargs: dict[str, Any] = {}
-    reduce = _reducer(weight, mesh.get_group())
     if isinstance(quantizer, NVFP4Quantizer):
-        kwargs["reduce_amax"] = reduce
+        kwargs["reduce_amax"] = _reducer(weight, group)
     elif isinstance(quantizer, RowwiseQuantizer):
-        kwargs["reduce_columns"] = reduce
-    q = quantizer.quantize(tensor, rowwise=True, columnwise=two, **kwargs)
-    inputs = [_bytes(q.data), _bytes(q.scale_inv)]
+        kwargs["reduce_columns"] = _reducer(weight, group)
+    q = quantizer.quantize(tensor, rowwise=rowwise, columnwise=columnwise, **kwargs)
     replicated: dict[str, torch.Tensor] = {}
     if isinstance(q, NVFP4Tensor):
         replicated["global_scale_inv"] = q.global_scale_inv
-    if two:
+    inputs: list[torch.Tensor] = []
+    if rowwise:
+        inputs += [_bytes(q.data), _bytes(q.scale_inv)]
+    if columnwise:
         inputs.append(_bytes(q.data_t.t()))  # the rows along dim 0, as FSDP2 gathers them
         if isinstance(quantizer, RowwiseQuantizer):
             replicated["scale_inv_t"] = q.scale_inv_t  # per column: every rank's, whole
         else:
             inputs.append(_bytes(q.scale_inv_t.t()))
-    dtypes = (q.data.dtype, q.scale_inv.dtype)
-    wire = Wire(type(q), q.fmt, outer_size, q.block, q.block_t, dtypes, quantizer, replicated)
+    data = q.data if rowwise else q.data_t
+    scales = q.scale_inv if rowwise else q.scale_inv_t
+    dtypes = (data.dtype, scales.dtype)
+    wire = Wire(
+        type(q), q.fmt, outer_size, q.block, q.block_t, dtypes, quantizer, replicated, layout
+    )
+    if layout in ("row", "col"):  # the scales as bytes, padded to one size for both
+        scale = inputs[1] if len(inputs) > 1 else inputs[0].new_empty(0)
+        wire.scale_shape = tuple(scale.shape)
+        flat = scale.reshape(-1).view(torch.uint8)
+        rows = outer_size[0] // weight_world(group)
+        size = _split_scale_bytes(quantizer, rows, outer_size[1])
+        inputs = [inputs[0], F.pad(flat, (0, size - flat.numel()))]
+    return inputs, wire
+
+
+def weight_world(group: Any) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def pre_all_gather(
+    weight: Any, mesh: Any, outer_size: torch.Size, param_dtype: torch.dtype | None
+) -> tuple[tuple[torch.Tensor, ...], Wire]:
+    """``fsdp_pre_all_gather`` of a block-scaled recipe's shard (``wire_inputs``)."""
+    quantizer = weight_quantizer(weight.recipe)
+    group = mesh.get_group()
+    layout = layout_for(weight, quantizer)
+    inputs, wire = wire_inputs(weight, quantizer, layout, group, outer_size, param_dtype)
+    wire.source, wire.group, wire.param_dtype = weight, group, param_dtype
     return tuple(inputs), wire
 
 
-def post_all_gather(
-    outputs: tuple[torch.Tensor, ...], wire: Wire, param_dtype: torch.dtype, out: Any
-) -> Any:
-    """``fsdp_post_all_gather``: a ``GatheredQuantizedWeight`` over the gathered buffers
-    (later gathers refill them: only the reduced scales change)."""
-    if out is not None:
-        out._wire = wire
-        return None
-    return GatheredQuantizedWeight(outputs, wire, param_dtype), tuple(outputs)
+def gather_own(wire: Wire, layout: str) -> tuple[torch.Tensor, ...]:
+    """``layout`` of ``wire.source`` gathered by a collective of its own (not FSDP2's):
+    the outputs as FSDP2 would hand them over, and the metadata."""
+    inputs, own = wire_inputs(
+        wire.source, wire.quantizer, layout, wire.group, wire.shape, wire.param_dtype
+    )
+    world = weight_world(wire.group)
+    outputs = []
+    for t in inputs:
+        out = t.new_empty((world * t.shape[0], *t.shape[1:]))
+        dist.all_gather_into_tensor(out, t.contiguous(), group=wire.group)
+        outputs.append(out)
+    own.source, own.group, own.param_dtype = wire.source, wire.group, wire.param_dtype
+    return tuple(outputs), own
 
 
-def _transposed_nvfp4(data: torch.Tensor) -> torch.Tensor:
+def col_scale_shape(quantizer: Any, rows: int, cols: int) -> tuple[int, int]:
+    """The shape of the column-wise scales of a ``[rows, cols]`` weight (split layouts)."""
+    if isinstance(quantizer, RowwiseQuantizer):
+        return (cols, 1)
+    if isinstance(quantizer, BlockScalingQuantizer):
+        return (cols, -(-rows // TILE))
+    return (cols, rows // (MX_BLOCK if isinstance(quantizer, MXFP8Quantizer) else BLOCK))
+
+
+def split_scales(outputs: tuple[torch.Tensor, ...], wire: Wire) -> torch.Tensor:
+    """The gathered scales of a split layout: each rank's bytes, unpadded, as its scales
+    in their dtype, the ranks' rows one after the other."""
+    world = weight_world(wire.group)
+    shape = wire.scale_shape
+    n = math.prod(shape) * wire.dtypes[1].itemsize
+    per_rank = outputs[1].reshape(world, -1)[:, :n].contiguous()
+    return per_rank.view(wire.dtypes[1]).reshape(world * shape[0], *shape[1:])
+
+
+def transposed_nvfp4(data: torch.Tensor) -> torch.Tensor:
     """Packed E2M1 codes ``[R, K/2]`` of 16x16 tiles to those of the transposed matrix
     ``[K, R/2]`` (the tiles transpose onto themselves: the same codes, moved)."""
     codes = torch.stack((data & 0x0F, data >> 4), dim=-1).reshape(data.shape[0], -1)
     return pack_e2m1(codes.t())
-
-
-class GatheredQuantizedWeight(torch.Tensor):
-    """The unsharded weight FSDP2 builds from a block-scaled recipe's gathered codes and
-    scales (views of its all-gather buffers). ``quantized(columnwise)`` is the quantized
-    tensor the GEMMs take; any other use sees ``dequantize()``."""
-
-    _parts: tuple[torch.Tensor, ...]
-    _wire: Wire
-
-    @staticmethod
-    def __new__(
-        cls, parts: tuple[torch.Tensor, ...], wire: Wire, dtype: torch.dtype
-    ) -> GatheredQuantizedWeight:
-        return torch.Tensor._make_wrapper_subclass(
-            cls, wire.shape, dtype=dtype, device=parts[0].device, requires_grad=False
-        )
-
-    def __init__(self, parts: tuple[torch.Tensor, ...], wire: Wire, dtype: torch.dtype) -> None:
-        self._parts = tuple(parts)
-        self._wire = wire
-
-    def __repr__(self) -> str:
-        return f"GatheredQuantizedWeight(shape={tuple(self.shape)}, {self._wire.cls.__name__})"
-
-    @property
-    def quantizer(self) -> Any:
-        return self._wire.quantizer
-
-    def quantized(self, columnwise: bool) -> QuantizedTensor:
-        """What ``quantizer`` makes of the whole weight (same codes, same scales)."""
-        wire, parts = self._wire, self._parts
-        data = parts[0].view(wire.dtypes[0])
-        scale_inv = parts[1].view(wire.dtypes[1])
-        data_t = scale_inv_t = None
-        if columnwise:
-            if len(parts) > 2:  # a column-wise layout of its own, gathered
-                data_t = parts[2].view(wire.dtypes[0]).t().contiguous()
-                scale_inv_t = wire.replicated.get("scale_inv_t")
-                if scale_inv_t is None:
-                    scale_inv_t = parts[3].view(wire.dtypes[1]).t().contiguous()
-            else:  # square tiles: the row-wise layout transposed
-                nvfp4 = wire.cls is NVFP4Tensor
-                data_t = _transposed_nvfp4(data) if nvfp4 else data.t().contiguous()
-                scale_inv_t = scale_inv.t().contiguous()
-        fields = dict(
-            fmt=wire.fmt,
-            shape=wire.shape,
-            dtype=self.dtype,
-            data=data,
-            scale_inv=scale_inv,
-            block=wire.block,
-            data_t=data_t,
-            scale_inv_t=scale_inv_t,
-            block_t=wire.block_t,
-        )
-        extra = {k: v for k, v in wire.replicated.items() if k != "scale_inv_t"}
-        return wire.cls(**fields, **extra)
-
-    def fc_quantized(self, quantizer: Any, columnwise: bool) -> QuantizedTensor | None:
-        """The GEMM operand when this weight was cast for ``quantizer`` (None otherwise:
-        the caller quantizes it, and so sees the dequantized weight)."""
-        return self.quantized(columnwise) if quantizer == self.quantizer else None
-
-    def dequantize(self) -> torch.Tensor:
-        return self.quantized(False).dequantize(self.dtype)
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        this = args[0] if args else None
-        if func in VIEWS and isinstance(this, cls):
-            # FSDP2 views the gathered parameter at its own size: the parts stay.
-            probe = torch.empty(this.shape, device="meta")
-            if func(probe, *args[1:], **(kwargs or {})).shape == this.shape:
-                return cls(this._parts, this._wire, this.dtype)
-        # Anything else computes with the dequantized weight (in high precision).
-        unwrap = lambda t: t.dequantize() if isinstance(t, cls) else t  # noqa: E731
-        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
-
-    def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        names = [f"_p{i}" for i in range(len(self._parts))]
-        for name, part in zip(names, self._parts):
-            setattr(self, name, part)
-        return names, (self._wire, self.dtype)
-
-    @staticmethod
-    def __tensor_unflatten__(inner: dict, meta: Any, size: Any, stride: Any) -> Any:
-        parts = tuple(inner[f"_p{i}"] for i in range(len(inner)))
-        return GatheredQuantizedWeight(parts, *meta)

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map
 from ...recipe import Float8CurrentScaling, Recipe
 from ...reference.cast import tensor_amax
 from ...runtime.state import optimizer_steps
-from . import blocks, tensorwise
+from . import blocks, gathered, tensorwise
 
 aten = torch.ops.aten
 
@@ -80,6 +80,7 @@ class FSDPFloat8Weight(torch.Tensor):
         # optimizer steps), reduced amaxes).
         self._kept: Any = None
         self._warned = False
+        self._split: bool | None = None  # block formats: layouts split between the passes
 
     def __repr__(self) -> str:
         return f"FSDPFloat8Weight({self._tensor!r}, recipe={self.recipe!r})"
@@ -167,7 +168,7 @@ class FSDPFloat8Weight(torch.Tensor):
         if kind == "tensor":
             return tensorwise.post_all_gather(all_gather_outputs, payload, param_dtype, out)
         if kind == "blocks":
-            return blocks.post_all_gather(all_gather_outputs, payload, param_dtype, out)
+            return gathered.post_all_gather(all_gather_outputs, payload, param_dtype, out)
         if out is not None:  # high precision: the buffer, refilled
             return None
         (tensor,) = all_gather_outputs
@@ -175,7 +176,7 @@ class FSDPFloat8Weight(torch.Tensor):
 
 
 # Gathered weights by kind, for callers that test for either.
-GATHERED = (tensorwise.GatheredFloat8Weight, blocks.GatheredQuantizedWeight)
+GATHERED = (tensorwise.GatheredFloat8Weight, gathered.GatheredQuantizedWeight)
 
 
 def check_recipe(recipe: Recipe | None) -> None:
@@ -212,6 +213,8 @@ def enable_quantized_all_gather(layers: Iterable[Any], recipe: Recipe) -> int:
         layer._weight_cache.clear()
         count += 1
     return count
+
+
 def plain_weight_in_state_dict(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
