@@ -838,7 +838,8 @@ def _fp8ag_refusals() -> dict[str, str]:
     """fc.convert's errors for quantized_all_gather it cannot do, and whether the model
     was left as it was."""
     out = {}
-    for name, recipe in (("block", fc.Float8BlockScaling()), ("none", None)):
+    custom = fc.CustomRecipe(qfactory=lambda role: fc.Float8CurrentScaling())
+    for name, recipe in (("custom", custom), ("none", None)):
         model = nn.Sequential(nn.Linear(WIDTH, WIDTH))
         try:
             fc.convert(model, recipe=recipe, quantized_all_gather=True)

@@ -519,10 +519,10 @@ def test_fsdp_fp8_precompute_scales_one_all_reduce(fsdp_fp8):
 
 def test_fsdp_fp8_all_gather_refusals(fsdp_fp8):
     refusals = fsdp_fp8[0]["refusals"]
-    assert refusals["block"].startswith("NotImplementedError: fastcast.convert: quantized_all")
-    assert "Float8BlockScaling" in refusals["block"]
+    assert refusals["custom"].startswith("NotImplementedError: fastcast.convert: quantized_all")
+    assert "CustomRecipe" in refusals["custom"]
     assert refusals["none"].startswith("ValueError: fastcast.convert: quantized_all_gather=True")
-    assert refusals["block.unchanged"] == refusals["none.unchanged"] == "True"
+    assert refusals["custom.unchanged"] == refusals["none.unchanged"] == "True"
     for result in fsdp_fp8:
         assert "needs fc.autocast(amax_reduction_group=...)" in result["delayed"]["no_group"]
 

@@ -130,6 +130,10 @@ class FSDPFloat8Weight(torch.Tensor):
             inputs, meta = tensorwise.pre_all_gather(self, mesh, outer_size, module)
             return inputs, ("tensor", meta)
         param_dtype = getattr(mp_policy, "param_dtype", None)
+        if mesh.size() == 1:
+            # Nothing goes on a wire, and FSDP2 hands a group of one only the first
+            # input over (no scales): the weight as it is, quantized by the GEMMs.
+            return self._high_precision(mesh, outer_size, param_dtype, "")
         quantizer = blocks.weight_quantizer(self.recipe)
         why = blocks.unaligned(quantizer, outer_size[0], mesh.size())
         if why:
@@ -142,7 +146,7 @@ class FSDPFloat8Weight(torch.Tensor):
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
         """The shard as FSDP2 gathers it without the hooks (a weight the recipe's blocks
         do not shard): the GEMMs then quantize the gathered weight as one process does."""
-        if not self._warned:
+        if why and not self._warned:
             self._warned = True
             warnings.warn(
                 f"fastcast: quantized_all_gather: {self.where or 'a weight'} of shape "
