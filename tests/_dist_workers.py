@@ -1173,7 +1173,7 @@ def qag_run(recipe_name: str, quantized: bool, rank: int | None, world: int) -> 
             opt.zero_grad(set_to_none=True)
             if step == FP8AG_STEPS - 1:
                 res["params"] = _plain(full_params(model))
-            if sharded and step + 1 in QAG_LIVE_AFTER:
+            if sharded and quantized and step + 1 in QAG_LIVE_AFTER:
                 res.setdefault("live", []).append(torch.tensor(_live_storage(res)))
     GatheredQuantizedWeight.quantized = as_operand
     res["direct"] = direct[0]
