@@ -237,3 +237,12 @@ def test_unaligned_shards_are_named():
     assert "do not split into 2 equal shards" in blocks.unaligned(q, 255, 2)
     rowwise = blocks.weight_quantizer(fc.Float8RowwiseScaling())
     assert blocks.unaligned(rowwise, 6, 2) == "" and blocks.unaligned(rowwise, 7, 2) != ""
+
+
+def test_conv1d_keeps_the_high_precision_gather_for_block_recipes():
+    # fc.Conv1D stores [in, out]: FSDP2's shards are not the blocks the GEMMs quantize.
+    transformers = pytest.importorskip("transformers")
+    model = nn.Sequential(transformers.pytorch_utils.Conv1D(32, 64))
+    with pytest.warns(UserWarning, match="stores its weight transposed.*MXFP8BlockScaling"):
+        fc.convert(model, recipe=fc.MXFP8BlockScaling(), quantized_all_gather=True)
+    assert type(model[0].weight) is nn.Parameter

@@ -201,6 +201,15 @@ def enable_quantized_all_gather(layers: Iterable[Any], recipe: Recipe) -> int:
     check_recipe(recipe)
     count = 0
     for layer in layers:
+        if getattr(layer, "_fc_transposed", False) and isinstance(recipe, blocks.BLOCK_RECIPES):
+            # fc.Conv1D stores [in, out]: FSDP2 would shard the input features, and the
+            # GEMMs take weight.t(). Its blocks are not the shard's: gathered as it is.
+            warnings.warn(
+                f"fastcast.convert: quantized_all_gather: {layer._where()} stores its weight "
+                f"transposed; {type(recipe).__name__} gathers it in high precision",
+                stacklevel=3,
+            )
+            continue
         weight = layer._parameters["weight"]
         if isinstance(weight, FSDPFloat8Weight):
             weight = weight._tensor
