@@ -1244,6 +1244,32 @@ def _plain(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: getattr(p, "_tensor", p) for n, p in params.items()}
 
 
+def qag_bf16(recipe_name: str, quantized: bool, rank: int, world: int) -> dict[str, Any]:
+    """The MLP under FSDP2 with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``, 3
+    SGD steps: losses and parameters."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+
+    recipe = QAG_RECIPES[recipe_name]()
+    model = fc.convert(make_qag_mlp(), recipe=recipe, quantized_all_gather=quantized)
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for m in fc_linears(model):
+        fully_shard(m, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    opt = torch.optim.SGD(model.parameters(), lr=LR * world)
+    losses = []
+    for step in range(FP8AG_STEPS):
+        x, y = (local_rows(t, rank) for t in qag_batch(step, world))
+        with fc.autocast(recipe=recipe):
+            loss = loss_fn(model(x), y, world * LOCAL_BATCH)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return {"losses": torch.stack(losses), "params": full_params(model)}
+
+
 def section_fsdp_qag(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in QAG_RECIPES:
@@ -1257,6 +1283,10 @@ def section_fsdp_qag(rank: int, world: int) -> dict[str, Any]:
         out[name]["variants"] = {
             v: isolated(_fp8ag_variant, name, v, rank, world)
             for v in ("plain", "fp8_no_reshard", "fp8_checkpointed")
+        }
+    for name in ("mxfp8", "nvfp4"):
+        out[name]["bf16"] = {
+            kind: isolated(qag_bf16, name, kind == "q", rank, world) for kind in ("q", "hp")
         }
     for name in ("rowwise", "block", "mxfp8", "nvfp4"):
         out[name]["llama"] = {"q": isolated(qag_llama, name, rank, world)}

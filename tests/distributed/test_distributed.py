@@ -694,6 +694,17 @@ def test_fsdp_quantized_all_gather_variants(fsdp_qag, recipe, variant):
             assert torch.equal(runs[variant]["params"][name], p), name
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_fsdp_quantized_all_gather_bf16_params(fsdp_qag, recipe):
+    # MixedPrecisionPolicy(param_dtype=bf16): each rank quantizes its shard cast to bf16,
+    # which is what the GEMMs make of FSDP2's bf16 gather: bit for bit.
+    for result in fsdp_qag:
+        runs = result[recipe]["bf16"]
+        assert torch.equal(runs["q"]["losses"], runs["hp"]["losses"])
+        for name, p in runs["hp"]["params"].items():
+            assert torch.equal(runs["q"]["params"][name], p), name
+
+
 @pytest.mark.parametrize("recipe", ["rowwise", "block", "mxfp8", "nvfp4"])
 def test_fsdp_quantized_all_gather_hugging_face_llama(fsdp_qag, recipe):
     # A tiny Llama (7 fc.Linear and lm_head; Float8BlockScaling gathers the weights whose
