@@ -1122,14 +1122,19 @@ def qag_batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x * scale, torch.randn(world * LOCAL_BATCH, QAG_SIZES[-1], generator=g)
 
 
-def qag_run(recipe_name: str, quantized: bool, rank: int | None, world: int) -> dict[str, Any]:
+def qag_run(
+    recipe_name: str, quantized: bool, rank: int | None, world: int, precompute: bool = False
+) -> dict[str, Any]:
     """SGD on the MLP for ``QAG_LEAK_STEPS`` steps. Sharded (``rank``): FSDP2 over the
     ranks, each its micro-batch. One process (``rank=None``): every micro-batch in rank
     order, gradients accumulated (what data parallelism computes, the quantization of
     each micro-batch's activations included). The first ``FP8AG_STEPS`` losses (per
     micro-batch) and gradients, the parameters after them, the gathered bytes of the
     first step by phase, the live tensors after ``QAG_LIVE_AFTER`` steps, warnings."""
-    from fastcast.distributed.fsdp import GatheredQuantizedWeight  # noqa: PLC0415
+    from fastcast.distributed.fsdp import (  # noqa: PLC0415
+        GatheredQuantizedWeight,
+        precompute_float8_scales,
+    )
 
     recipe = QAG_RECIPES[recipe_name]()
     sharded = rank is not None
@@ -1138,7 +1143,7 @@ def qag_run(recipe_name: str, quantized: bool, rank: int | None, world: int) -> 
         model = _fully_shard(model)
     # FSDP2 averages the ranks' gradients, one process sums them: lr * world.
     opt = torch.optim.SGD(model.parameters(), lr=LR * world if sharded else LR)
-    res: dict[str, Any] = {"losses": [], "grads": []}
+    res: dict[str, Any] = {"losses": [], "grads": [], "reductions": []}
     direct = [0]
     as_operand = GatheredQuantizedWeight.quantized
 
@@ -1147,9 +1152,14 @@ def qag_run(recipe_name: str, quantized: bool, rank: int | None, world: int) -> 
         return as_operand(self, columnwise)
 
     GatheredQuantizedWeight.quantized = counted
-    with warnings.catch_warnings(record=True) as caught, CountingAllGather() as gathers:
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        CountingAllGather() as gathers,
+        CountingAllReduce() as reduces,
+    ):
         warnings.simplefilter("always")
         for step in range(QAG_LEAK_STEPS):
+            before = len(reduces.calls)
             x, y = qag_batch(step % 3, world)
             gathers.phase = "forward" if step == 0 else "later"
             gathers.sent.setdefault("later", 0)
@@ -1171,6 +1181,9 @@ def qag_run(recipe_name: str, quantized: bool, rank: int | None, world: int) -> 
                 )
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if precompute:
+                precompute_float8_scales(model)
+            res["reductions"].append(torch.tensor(reduces.calls[before:]).reshape(-1, 2))
             if step == FP8AG_STEPS - 1:
                 res["params"] = _plain(full_params(model))
             if sharded and quantized and step + 1 in QAG_LIVE_AFTER:
@@ -1284,6 +1297,8 @@ def section_fsdp_qag(rank: int, world: int) -> dict[str, Any]:
             v: isolated(_fp8ag_variant, name, v, rank, world)
             for v in ("plain", "fp8_no_reshard", "fp8_checkpointed")
         }
+    for name in ("rowwise", "nvfp4"):
+        out[name]["precompute"] = isolated(qag_run, name, True, rank, world, True)
     for name in ("mxfp8", "nvfp4"):
         out[name]["bf16"] = {
             kind: isolated(qag_bf16, name, kind == "q", rank, world) for kind in ("q", "hp")

@@ -694,6 +694,26 @@ def test_fsdp_quantized_all_gather_variants(fsdp_qag, recipe, variant):
             assert torch.equal(runs[variant]["params"][name], p), name
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "nvfp4"])
+def test_fsdp_quantized_all_gather_reductions(fsdp_qag, recipe):
+    # One all-reduce per quantized weight and step (NVFP4: its amax at the forward gather;
+    # row-wise: the in_features column amaxes at backward's re-gather), none for the
+    # re-gathers; after precompute_float8_scales, one for all of them, and the same
+    # training bit for bit. (Block scaling and MXFP8 reduce nothing.)
+    sizes = workers.QAG_SIZES[:-1]
+    per_weight = [1] * N_QAG_LAYERS if recipe == "nvfp4" else list(sizes)
+    for result in fsdp_qag:
+        auto, pre = result[recipe]["q"], result[recipe]["precompute"]
+        _assert_runs_equal(pre, auto)
+        for step in range(1, workers.QAG_LEAK_STEPS):
+            assert sorted(auto["reductions"][step].tolist()) == sorted(
+                [n, 1] for n in per_weight
+            ), step
+            assert pre["reductions"][step].tolist() == [[sum(per_weight), 1]], step
+    for result in fsdp_qag:
+        assert result["mxfp8"]["q"]["reductions"][1].numel() == 0
+
+
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
 def test_fsdp_quantized_all_gather_bf16_params(fsdp_qag, recipe):
     # MixedPrecisionPolicy(param_dtype=bf16): each rank quantizes its shard cast to bf16,

@@ -46,8 +46,10 @@ from ...recipe import (
     NVFP4BlockScaling,
     Recipe,
 )
+from ...reference.cast import as_matrix, tensor_amax
 from ...reference.mx import MX_BLOCK
-from ...reference.nvfp4 import BLOCK, pack_e2m1
+from ...reference.nvfp4 import BLOCK, global_amax, pack_e2m1
+from ...reference.rows import row_amax
 from ...reference.tiles import TILE
 from ...runtime.state import optimizer_steps
 from ...schemes import scheme_for
@@ -132,20 +134,23 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _reducer(weight: Any, group: Any) -> Any:
-    """The ``reduce`` callbacks of the quantizers: all-reduce max the first time the
-    weight is cast at this version, replay the reduced amaxes afterwards."""
+    """The ``reduce`` callbacks of the quantizers: the amaxes reduced for this version of
+    the weight (by an earlier gather or ``precompute_float8_scales``), in call order;
+    an all-reduce max for any beyond them, kept for the next gathers."""
     key = (weight._tensor._version, optimizer_steps(install=True))
     kept = weight._kept
-    replay = list(kept[1]) if kept is not None and kept[0] == key else []
-    record: list[torch.Tensor] = []
-    weight._kept = (key, record)
+    if kept is None or kept[0] != key:
+        kept = weight._kept = (key, [])
+    reduced: list[torch.Tensor] = kept[1]
+    calls = [0]
 
     def reduce(amax: torch.Tensor) -> torch.Tensor:
-        if replay:
-            amax.copy_(replay.pop(0))
-        else:
-            all_reduce_max(amax, group)
-        record.append(amax.clone())
+        i = calls[0]
+        calls[0] += 1
+        if i < len(reduced):
+            return amax.copy_(reduced[i])
+        all_reduce_max(amax, group)
+        reduced.append(amax.clone())
         return amax
 
     return reduce
@@ -243,10 +248,32 @@ def weight_world(group: Any) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
+def local_amax(weight: Any) -> torch.Tensor | None:
+    """What the next gather of ``weight`` (a shard) max-reduces, computed as its quantizer
+    computes it: NVFP4's tensor amax (of the finite magnitudes), row-wise scaling's column
+    amaxes (its amax with ``wgrad_high_precision``). None when it reduces nothing, or was
+    never gathered quantized (its gathers' dtype is not known yet)."""
+    if not weight._gathered:
+        return None
+    quantizer = weight_quantizer(weight.recipe)
+    m = as_matrix(weight._tensor.to(weight._param_dtype or weight._tensor.dtype))
+    if isinstance(quantizer, NVFP4Quantizer):
+        return global_amax(m.float().abs())
+    if isinstance(quantizer, RowwiseQuantizer):
+        return tensor_amax(m) if quantizer.columnwise_per_tensor else row_amax(m, 0)
+    return None
+
+
+def keep_reduced(weight: Any, amax: torch.Tensor) -> None:
+    """The reduced ``amax`` for the next gathers of ``weight`` while it is unchanged."""
+    weight._kept = ((weight._tensor._version, optimizer_steps(install=True)), [amax])
+
+
 def pre_all_gather(
     weight: Any, mesh: Any, outer_size: torch.Size, param_dtype: torch.dtype | None
 ) -> tuple[tuple[torch.Tensor, ...], Wire]:
     """``fsdp_pre_all_gather`` of a block-scaled recipe's shard (``wire_inputs``)."""
+    weight._gathered, weight._param_dtype = True, param_dtype
     quantizer = weight_quantizer(weight.recipe)
     group = mesh.get_group()
     layout = layout_for(weight, quantizer)

@@ -81,6 +81,9 @@ class FSDPFloat8Weight(torch.Tensor):
         self._kept: Any = None
         self._warned = False
         self._split: bool | None = None  # block formats: layouts split between the passes
+        # Block formats: gathered quantized yet, and in which dtype (precompute's amaxes).
+        self._gathered = False
+        self._param_dtype: torch.dtype | None = None
 
     def __repr__(self) -> str:
         return f"FSDPFloat8Weight({self._tensor!r}, recipe={self.recipe!r})"
@@ -254,20 +257,35 @@ def plain_weight_in_state_dict(
 
 @torch.no_grad()
 def precompute_float8_scales(module: nn.Module) -> None:
-    """Every FSDP2-sharded ``FSDPFloat8Weight`` below ``module`` (current scaling): the
-    scales of the next all-gathers, from one all-reduce of all their amaxes (per process
-    group). Call it after the optimizer step; without it each weight reduces its own amax
-    at its gather. (Delayed scaling needs none: its amaxes go with the autocast's.)"""
-    groups: dict[Any, list[FSDPFloat8Weight]] = {}
+    """Every FSDP2-sharded ``FSDPFloat8Weight`` below ``module`` whose gather reduces an
+    amax (current scaling's scale; NVFP4's tensor scale; row-wise scaling's column
+    scales): the reductions of the next all-gathers, from one all-reduce of all their
+    amaxes per process group. Call it after the optimizer step; without it each weight
+    reduces its own at its gather. (Delayed scaling needs none: its amaxes go with the
+    autocast's. A block-scaled weight joins from its second step: its first gather tells
+    the dtype it is gathered in.)"""
+    groups: dict[Any, list[tuple[FSDPFloat8Weight, torch.Tensor]]] = {}
     for param in module.parameters():
         local = getattr(param, "_local_tensor", None)
-        if isinstance(local, FSDPFloat8Weight) and isinstance(local.recipe, Float8CurrentScaling):
-            groups.setdefault(param.device_mesh.get_group(), []).append(local)
-    for group, weights in groups.items():
-        amaxes = torch.stack([tensor_amax(w._tensor) for w in weights])
+        if not isinstance(local, FSDPFloat8Weight):
+            continue
+        if isinstance(local.recipe, Float8CurrentScaling):
+            amax = tensor_amax(local._tensor)
+        elif isinstance(local.recipe, blocks.BLOCK_RECIPES):
+            amax = blocks.local_amax(local)
+        else:
+            amax = None
+        if amax is not None:
+            groups.setdefault(param.device_mesh.get_group(), []).append((local, amax))
+    for group, entries in groups.items():
+        flat = torch.cat([amax.reshape(-1) for _, amax in entries])
         if dist.get_world_size(group) > 1:
-            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
         steps = optimizer_steps(install=True)
-        for w, amax in zip(weights, amaxes):
-            key = (w._tensor._version, steps)
-            w._kept = (w._scale_from(amax), key, tensorwise.weight_quantizer(w.recipe))
+        for (w, amax), reduced in zip(entries, flat.split([a.numel() for _, a in entries])):
+            reduced = reduced.reshape(amax.shape)
+            if isinstance(w.recipe, Float8CurrentScaling):
+                key = (w._tensor._version, steps)
+                w._kept = (w._scale_from(reduced), key, tensorwise.weight_quantizer(w.recipe))
+            else:
+                blocks.keep_reduced(w, reduced)
