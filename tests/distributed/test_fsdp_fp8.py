@@ -1,6 +1,7 @@
-"""``fc.convert(..., quantized_all_gather=True)`` in one process, without FSDP2: the
-wrapped weight behaves as the plain one (the two-rank FSDP2 tests are in
-``test_distributed.py``, section ``fsdp_fp8``)."""
+"""``fc.convert(..., quantized_all_gather=True)`` in one process: the wrapped weight
+behaves as the plain one, and the block-scaled recipes' gathered weight (its layouts,
+its dequantized value) on a group of one rank. The two-rank FSDP2 tests are in
+``test_distributed.py``, sections ``fsdp_fp8`` (per-tensor recipes) and ``fsdp_qag``."""
 
 from __future__ import annotations
 
