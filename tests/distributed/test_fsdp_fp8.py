@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import fastcast as fc
@@ -247,3 +249,55 @@ def test_conv1d_keeps_the_high_precision_gather_for_block_recipes():
     with pytest.warns(UserWarning, match="stores its weight transposed.*MXFP8BlockScaling"):
         fc.convert(model, recipe=fc.MXFP8BlockScaling(), quantized_all_gather=True)
     assert type(model[0].weight) is nn.Parameter
+
+
+def _layers(q: Any) -> list[torch.Tensor]:
+    """The bytes of both layouts' codes and scales (and NVFP4's tensor scale)."""
+    names = ("data", "scale_inv", "data_t", "scale_inv_t", "global_scale_inv")
+    return [_bytes_of(getattr(q, n)) for n in names if getattr(q, n, None) is not None]
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    name=st.sampled_from(sorted(BLOCK_RECIPES)),
+    rows=st.sampled_from([128, 256]),
+    cols=st.sampled_from([32, 64, 160]),
+    passes=st.lists(st.sampled_from(["row", "col"]), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_gathered_weight_state_through_any_sequence_of_gathers(
+    world_of_one, name, rows, cols, passes, seed
+):
+    # Any sequence of forward ("row") and backward ("col") gathers into the same buffers,
+    # the weight changing in between. After a forward gather the row-wise layout is the
+    # quantizer's, byte for byte, and the column-wise scales are NaN (until a backward
+    # gather); after a backward gather both layouts are (the row-wise one gathered by a
+    # collective of its own). Square tiles gather one layout, both always right.
+    recipe = BLOCK_RECIPES[name]()
+    quantizer = blocks.weight_quantizer(recipe)
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    shard = FSDPFloat8Weight(w.clone(), recipe, "layer")
+    split = not blocks.transposable(quantizer)
+    buffers = weight = None
+    for step, kind in enumerate(passes):
+        if step:
+            shard._tensor.mul_(1.5).add_(0.25)  # an optimizer step (a new version)
+        layout = kind if split else "one"
+        inputs, wire = blocks.wire_inputs(shard, quantizer, layout, world_of_one, w.shape, None)
+        wire.source, wire.group = shard, world_of_one
+        if buffers is None:
+            buffers = tuple(t.clone() for t in inputs)
+            weight, _ = gathered.post_all_gather(buffers, wire, w.dtype, None)
+        else:
+            for buffer, t in zip(buffers, inputs):
+                buffer.view(-1).copy_(t.reshape(-1).view(buffer.dtype))
+            gathered.post_all_gather(buffers, wire, w.dtype, weight)
+        expected = quantizer.quantize(shard._tensor, rowwise=True, columnwise=True)
+        got = weight.fc_quantized(quantizer, True)
+        if layout == "row":
+            assert torch.isnan(got.columnwise_operand().dequantize()).all()
+            got.data_t = got.scale_inv_t = expected.data_t = expected.scale_inv_t = None
+        for a, b in zip(_layers(got), _layers(expected), strict=True):
+            assert torch.equal(a, b), (name, passes, step)

@@ -289,10 +289,12 @@ def gather_own(wire: Wire, layout: str) -> tuple[torch.Tensor, ...]:
         wire.source, wire.quantizer, layout, wire.group, wire.shape, wire.param_dtype
     )
     world = weight_world(wire.group)
+    # (FSDP2's own collective; torch 2.13 deprecates all_gather_into_tensor for it.)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     outputs = []
     for t in inputs:
         out = t.new_empty((world * t.shape[0], *t.shape[1:]))
-        dist.all_gather_into_tensor(out, t.contiguous(), group=wire.group)
+        gather(out, t.contiguous(), group=wire.group)
         outputs.append(out)
     own.source, own.group, own.param_dtype = wire.source, wire.group, wire.param_dtype
     return tuple(outputs), own
