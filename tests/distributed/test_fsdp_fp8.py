@@ -258,7 +258,7 @@ def _layers(q: Any) -> list[torch.Tensor]:
 
 
 @settings(
-    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     name=st.sampled_from(sorted(BLOCK_RECIPES)),
@@ -287,13 +287,17 @@ def test_gathered_weight_state_through_any_sequence_of_gathers(
         layout = kind if split else "one"
         inputs, wire = blocks.wire_inputs(shard, quantizer, layout, world_of_one, w.shape, None)
         wire.source, wire.group = shard, world_of_one
+        # As FSDP2 does: flat buffers of the first gather's sizes and dtypes, refilled,
+        # handed over as views shaped like each gather's inputs.
         if buffers is None:
-            buffers = tuple(t.clone() for t in inputs)
-            weight, _ = gathered.post_all_gather(buffers, wire, w.dtype, None)
+            buffers = [t.reshape(-1).clone() for t in inputs]
+        for buffer, t in zip(buffers, inputs):
+            buffer.copy_(t.reshape(-1).view(buffer.dtype))
+        views = tuple(b.view(t.dtype).view(t.shape) for b, t in zip(buffers, inputs))
+        if weight is None:
+            weight, _ = gathered.post_all_gather(views, wire, w.dtype, None)
         else:
-            for buffer, t in zip(buffers, inputs):
-                buffer.view(-1).copy_(t.reshape(-1).view(buffer.dtype))
-            gathered.post_all_gather(buffers, wire, w.dtype, weight)
+            gathered.post_all_gather(views, wire, w.dtype, weight)
         expected = quantizer.quantize(shard._tensor, rowwise=True, columnwise=True)
         got = weight.fc_quantized(quantizer, True)
         if layout == "row":

@@ -100,7 +100,10 @@ class GatheredQuantizedWeight(torch.Tensor):
             # the re-gather of the column-wise layout: the row-wise one, gathered now.
             own_parts, own = gather_own(wire, "row")
             return own_parts[0], split_scales(own_parts, own)
-        return parts[0], parts[1] if wire.layout in ("one", "both") else self._row_scales
+        # (Rows first, whatever shape the gather's buffer view has: FSDP2 views it as the
+        # last gather's inputs, [R/2, K] after NVFP4's column-wise layout.)
+        data = parts[0].view(wire.shape[0], -1)
+        return data, parts[1] if wire.layout in ("one", "both") else self._row_scales
 
     def _columns(self, data: torch.Tensor | None, scale_inv: torch.Tensor | None) -> tuple:
         """The column-wise codes and scales (``data``/``scale_inv``: the row-wise ones)."""
