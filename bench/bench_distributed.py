@@ -1,5 +1,6 @@
-"""Bytes on the wire of FSDP2's all-gathers, by recipe: the quantized (FP8) all-gather of
-``fc.convert(..., quantized_all_gather=True)`` against FSDP2's high-precision gathers.
+"""Bytes on the wire of FSDP2's all-gathers, by recipe: the quantized all-gather of
+``fc.convert(..., quantized_all_gather=True)`` (codes and scales) against FSDP2's
+high-precision gathers.
 
 Two gloo ranks on the CPU, ``LAYERS`` blocks ``HIDDEN -> FFN -> HIDDEN`` of ``fc.Linear``
 (with biases), each layer ``fully_shard``-ed. The bytes are counted from the payloads FSDP2
@@ -35,6 +36,11 @@ CONFIGS: dict[str, tuple[Any, bool, torch.dtype]] = {
     "fp8 gather, current": (fc.Float8CurrentScaling(), True, torch.float32),
     "fp8 gather, delayed": (fc.DelayedScaling(), True, torch.float32),
     "fp8 gather, current, bf16 params": (fc.Float8CurrentScaling(), True, torch.bfloat16),
+    "fp8 gather, rowwise": (fc.Float8RowwiseScaling(), True, torch.float32),
+    "fp8 gather, block 128x128": (fc.Float8BlockScaling(), True, torch.float32),
+    "fp8 gather, mxfp8": (fc.MXFP8BlockScaling(), True, torch.float32),
+    "fp4 gather, nvfp4": (fc.NVFP4BlockScaling(), True, torch.float32),
+    "fp4 gather, nvfp4, bf16 params": (fc.NVFP4BlockScaling(), True, torch.bfloat16),
 }
 
 
@@ -117,12 +123,13 @@ def main() -> None:
         f"FSDP2 all-gather bytes per rank and step: {WORLD} gloo ranks, {LAYERS} x "
         f"({HIDDEN}->{FFN}->{HIDDEN}) fc.Linear with biases, {TOKENS} tokens"
     )
-    columns = ("forward B", "backward B", "vs fp32", "vs bf16", "step ms")
+    columns = ("forward B", "backward B", "fwd/fp32", "fwd/bf16", "bwd/fp32", "step ms")
     print(f"{'configuration':36} " + " ".join(f"{c:>10}" for c in columns))
     for config, r in results.items():
         print(
             f"{config:36} {r['forward']:10.0f} {r['backward']:10.0f} "
-            f"{r['forward'] / fp32:10.3f} {r['forward'] / bf16:10.3f} {r['ms']:10.1f}"
+            f"{r['forward'] / fp32:10.3f} {r['forward'] / bf16:10.3f} "
+            f"{r['backward'] / fp32:10.3f} {r['ms']:10.1f}"
         )
     sys.stdout.flush()
 

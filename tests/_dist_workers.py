@@ -838,7 +838,8 @@ def _fp8ag_refusals() -> dict[str, str]:
     """fc.convert's errors for quantized_all_gather it cannot do, and whether the model
     was left as it was."""
     out = {}
-    for name, recipe in (("block", fc.Float8BlockScaling()), ("none", None)):
+    custom = fc.CustomRecipe(qfactory=lambda role: fc.Float8CurrentScaling())
+    for name, recipe in (("custom", custom), ("none", None)):
         model = nn.Sequential(nn.Linear(WIDTH, WIDTH))
         try:
             fc.convert(model, recipe=recipe, quantized_all_gather=True)
@@ -950,7 +951,7 @@ def _fp8ag_variant(recipe_name: str, variant: str, rank: int, world: int) -> dic
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
-    recipe = RECIPES[recipe_name]()
+    recipe = {**RECIPES, **QAG_RECIPES}[recipe_name]()
     torch.manual_seed(5)
     checkpointed = variant == "fp8_checkpointed"
     model = fc.convert(
@@ -1085,3 +1086,228 @@ def section_fsdp_fp8_compile(rank: int, world: int) -> dict[str, Any]:
 
 
 SECTIONS["fsdp_fp8_compile"] = section_fsdp_fp8_compile
+
+
+# -- section: FSDP2's quantized all-gather for the block-scaled recipes --------------------------
+
+# Stochastic rounding off: its draws are each rank's own (the Hadamard transform stays on:
+# it runs along the tokens, and each rank's tokens are one micro-batch of the reference).
+QAG_RECIPES = {
+    "rowwise": lambda: fc.Float8RowwiseScaling(),
+    "rowwise_gw_hp": lambda: fc.Float8RowwiseScaling(wgrad_high_precision=True),
+    "block": lambda: fc.Float8BlockScaling(),
+    "mxfp8": lambda: fc.MXFP8BlockScaling(),
+    "nvfp4": lambda: fc.NVFP4BlockScaling(stochastic_rounding=False),
+}
+# in -> hidden -> hidden -> out: 256 rows split into shards of 128 (a 128x128 tile); the
+# last layer's 64 rows into shards of 32 (MXFP8's and NVFP4's blocks, not a 128 tile).
+QAG_SIZES = (128, 256, 256, 64)
+QAG_LEAK_STEPS = 8
+QAG_LIVE_AFTER = (1, 4, 8)
+
+
+def make_qag_mlp() -> nn.Sequential:
+    torch.manual_seed(2468)
+    layers: list[nn.Module] = []
+    for i, (n_in, n_out) in enumerate(zip(QAG_SIZES, QAG_SIZES[1:])):
+        layers += [nn.Linear(n_in, n_out)] + ([nn.ReLU()] if i < len(QAG_SIZES) - 2 else [])
+    return nn.Sequential(*layers)
+
+
+def qag_batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``world`` micro-batches of 32 tokens; micro-batch r scaled by 4**r."""
+    g = torch.Generator().manual_seed(300 + step)
+    x = torch.randn(world * LOCAL_BATCH, QAG_SIZES[0], generator=g)
+    scale = torch.repeat_interleave(4.0 ** torch.arange(world), LOCAL_BATCH).unsqueeze(1)
+    return x * scale, torch.randn(world * LOCAL_BATCH, QAG_SIZES[-1], generator=g)
+
+
+def qag_run(
+    recipe_name: str, quantized: bool, rank: int | None, world: int, precompute: bool = False
+) -> dict[str, Any]:
+    """SGD on the MLP for ``QAG_LEAK_STEPS`` steps. Sharded (``rank``): FSDP2 over the
+    ranks, each its micro-batch. One process (``rank=None``): every micro-batch in rank
+    order, gradients accumulated (what data parallelism computes, the quantization of
+    each micro-batch's activations included). The first ``FP8AG_STEPS`` losses (per
+    micro-batch) and gradients, the parameters after them, the gathered bytes of the
+    first step by phase, the live tensors after ``QAG_LIVE_AFTER`` steps, warnings."""
+    from fastcast.distributed.fsdp import (  # noqa: PLC0415
+        GatheredQuantizedWeight,
+        precompute_float8_scales,
+    )
+
+    recipe = QAG_RECIPES[recipe_name]()
+    sharded = rank is not None
+    model = fc.convert(make_qag_mlp(), recipe=recipe, quantized_all_gather=quantized)
+    if sharded:
+        model = _fully_shard(model)
+    # FSDP2 averages the ranks' gradients, one process sums them: lr * world.
+    opt = torch.optim.SGD(model.parameters(), lr=LR * world if sharded else LR)
+    res: dict[str, Any] = {"losses": [], "grads": [], "reductions": []}
+    direct = [0]
+    as_operand = GatheredQuantizedWeight.quantized
+
+    def counted(self: Any, columnwise: bool) -> Any:
+        direct[0] += 1
+        return as_operand(self, columnwise)
+
+    GatheredQuantizedWeight.quantized = counted
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        CountingAllGather() as gathers,
+        CountingAllReduce() as reduces,
+    ):
+        warnings.simplefilter("always")
+        for step in range(QAG_LEAK_STEPS):
+            before = len(reduces.calls)
+            x, y = qag_batch(step % 3, world)
+            gathers.phase = "forward" if step == 0 else "later"
+            gathers.sent.setdefault("later", 0)
+            losses = []
+            for r in [rank] if sharded else range(world):
+                with fc.autocast(recipe=recipe):
+                    loss = loss_fn(model(local_rows(x, r)), local_rows(y, r), world * LOCAL_BATCH)
+                if step == 0:
+                    gathers.phase = "backward"
+                loss.backward()
+                losses.append(loss.detach())
+            if step < FP8AG_STEPS:
+                res["losses"].append(torch.stack(losses))
+                res["grads"].append(
+                    {
+                        n: (p.grad.full_tensor() if sharded else p.grad).clone()
+                        for n, p in model.named_parameters()
+                    }
+                )
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if precompute:
+                precompute_float8_scales(model)
+            res["reductions"].append(torch.tensor(reduces.calls[before:]).reshape(-1, 2))
+            if step == FP8AG_STEPS - 1:
+                res["params"] = _plain(full_params(model))
+            if sharded and quantized and step + 1 in QAG_LIVE_AFTER:
+                res.setdefault("live", []).append(torch.tensor(_live_storage(res)))
+    GatheredQuantizedWeight.quantized = as_operand
+    res["direct"] = direct[0]
+    res["losses"] = torch.stack(res["losses"])
+    res["bytes"] = dict(gathers.sent)
+    res["warnings"] = [str(w.message) for w in caught if "quantized_all_gather" in str(w.message)]
+    res["weight_types"] = [
+        type(getattr(m.weight, "_local_tensor", m.weight)).__name__ for m in fc_linears(model)
+    ]
+    return res
+
+
+def qag_llama(recipe_name: str, rank: int | None, world: int) -> dict[str, Any]:
+    """A one-layer Hugging Face Llama from a config (hidden 128, MLP 256, every fc.Linear
+    and the decoder layer ``fully_shard``-ed), 3 SGD steps, quantized all-gather; one
+    process (``rank=None``) runs the ranks' sequences as accumulated micro-batches."""
+    import transformers  # noqa: PLC0415
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+    )
+    recipe = QAG_RECIPES[recipe_name]()
+    torch.manual_seed(78)
+    model = fc.convert(
+        transformers.LlamaForCausalLM(config), recipe=recipe, quantized_all_gather=True
+    )
+    if rank is not None:
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+        mesh = init_device_mesh("cpu", (world,))
+        for m in fc_linears(model):
+            fully_shard(m, mesh=mesh)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 if rank is None else 0.1 * world)
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the weights gathered in high precision
+        for step in range(FP8AG_STEPS):
+            generator = torch.Generator().manual_seed(step)
+            ids = torch.randint(0, 64, (2 * world, 16), generator=generator)
+            step_losses = []
+            for r in [rank] if rank is not None else range(world):
+                with fc.autocast(recipe=recipe):
+                    loss = model(
+                        input_ids=ids[2 * r : 2 * r + 2],
+                        labels=ids[2 * r : 2 * r + 2],
+                        num_items_in_batch=2 * world * 15,
+                    ).loss
+                loss.backward()
+                step_losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(torch.stack(step_losses))
+    return {"losses": torch.stack(losses), "params": _plain(full_params(model))}
+
+
+def _plain(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The plain tensors of unsharded FSDPFloat8Weight parameters (one process)."""
+    return {n: getattr(p, "_tensor", p) for n, p in params.items()}
+
+
+def qag_bf16(recipe_name: str, quantized: bool, rank: int, world: int) -> dict[str, Any]:
+    """The MLP under FSDP2 with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``, 3
+    SGD steps: losses and parameters."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+
+    recipe = QAG_RECIPES[recipe_name]()
+    model = fc.convert(make_qag_mlp(), recipe=recipe, quantized_all_gather=quantized)
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for m in fc_linears(model):
+        fully_shard(m, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    opt = torch.optim.SGD(model.parameters(), lr=LR * world)
+    losses = []
+    for step in range(FP8AG_STEPS):
+        x, y = (local_rows(t, rank) for t in qag_batch(step, world))
+        with fc.autocast(recipe=recipe):
+            loss = loss_fn(model(x), y, world * LOCAL_BATCH)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return {"losses": torch.stack(losses), "params": full_params(model)}
+
+
+def section_fsdp_qag(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in QAG_RECIPES:
+        out[name] = {
+            "q": isolated(qag_run, name, True, rank, world),
+            "hp": isolated(qag_run, name, False, rank, world),
+        }
+        if rank == 0:
+            out[name]["reference"] = isolated(qag_run, name, True, None, world)
+    for name in ("rowwise", "mxfp8", "nvfp4"):
+        out[name]["variants"] = {
+            v: isolated(_fp8ag_variant, name, v, rank, world)
+            for v in ("plain", "fp8_no_reshard", "fp8_checkpointed")
+        }
+    for name in ("rowwise", "nvfp4"):
+        out[name]["precompute"] = isolated(qag_run, name, True, rank, world, True)
+    for name in ("mxfp8", "nvfp4"):
+        out[name]["bf16"] = {
+            kind: isolated(qag_bf16, name, kind == "q", rank, world) for kind in ("q", "hp")
+        }
+    for name in ("rowwise", "block", "mxfp8", "nvfp4"):
+        out[name]["llama"] = {"q": isolated(qag_llama, name, rank, world)}
+        if rank == 0:
+            out[name]["llama"]["reference"] = isolated(qag_llama, name, None, world)
+    return out
+
+
+SECTIONS["fsdp_qag"] = section_fsdp_qag

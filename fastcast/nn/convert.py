@@ -60,12 +60,13 @@ def convert(
     state that recipe keeps (``Linear.prepare_state``), so a freshly built model has the
     state-dict layout of a trained one: what DCP, which loads in place, needs to resume.
 
-    ``quantized_all_gather=True`` (needs ``recipe``, a per-tensor one for now): FSDP2
-    (``fully_shard``, applied after this) all-gathers each ``fc.Linear`` weight as FP8
-    codes and a per-tensor scale, which the GEMMs under an ``fc.autocast`` with that
-    recipe use directly; outside it the layers see the weight rounded to FP8
-    (``fastcast.distributed.fsdp`` explains why). Off by default: FSDP2 then gathers
-    the weights in high precision, as for ``nn.Linear``.
+    ``quantized_all_gather=True`` (needs ``recipe``, any built-in one): FSDP2
+    (``fully_shard``, applied after this) all-gathers each ``fc.Linear`` weight as the
+    recipe's codes and scales, which the GEMMs under an ``fc.autocast`` with that recipe
+    use directly; outside it the layers see the weight rounded to the format
+    (``fastcast.distributed.fsdp`` explains why, and what happens to a weight whose
+    shards do not hold whole blocks). Off by default: FSDP2 then gathers the weights in
+    high precision, as for ``nn.Linear``.
     """
     if quantized_all_gather:  # checked before anything changes
         if recipe is None:

@@ -63,6 +63,14 @@ def _round_stochastic(mag: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
     return _round_nearest_even(lower.mul_(step))
 
 
+def global_amax(mag: torch.Tensor) -> torch.Tensor:
+    """The tensor amax of NVFP4's tensor scale: the max of the finite magnitudes ``mag``
+    (FP32), 0 when there is none."""
+    if mag.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=mag.device)
+    return torch.nan_to_num(mag, nan=0.0, posinf=0.0).amax()
+
+
 def global_encode_scale(
     mag: torch.Tensor, reduce_amax: Callable[[torch.Tensor], Any] | None = None
 ) -> torch.Tensor:
@@ -73,10 +81,7 @@ def global_encode_scale(
     Non-finite elements are left out rather than let a NaN amax reset the scale to 1.0:
     under that fallback the blocks of small values would flush to zero, so one NaN
     would wipe out the whole tensor instead of its own block."""
-    if mag.numel() == 0:
-        amax = torch.zeros((), dtype=torch.float32, device=mag.device)
-    else:
-        amax = torch.nan_to_num(mag, nan=0.0, posinf=0.0).amax()
+    amax = global_amax(mag)
     if reduce_amax is not None:
         reduce_amax(amax)
     return scale_from_amax(amax, E2M1_MAX * E4M3_MAX)
