@@ -71,10 +71,13 @@ def style_of(weight: DTensor) -> str:
     """``COLWISE`` or ``ROWWISE`` from the weight's placement; clear errors otherwise."""
     mesh = weight.device_mesh
     if mesh.ndim != 1:
+        # FSDP2 x TP hands the layer the TP-sharded weight it gathered over the
+        # data-parallel dim (1-D); a 2-D one is FSDP2's sharded parameter, not gathered.
         raise NotImplementedError(
             f"tensor parallel fc.Linear needs its weight on a 1-D mesh, got a {mesh.ndim}-D "
-            "one; for FSDP2 x TP, parallelize over the TP sub-mesh and fully_shard over the "
-            "data-parallel one"
+            "one; for FSDP2 x TP, parallelize_module over the TP sub-mesh, fully_shard over "
+            "the data-parallel one, and call the layer through a fully_shard-ed module (which "
+            "gathers the weight)"
         )
     placement = weight.placements[0]
     if isinstance(placement, Shard) and placement.dim in (0, -2):
@@ -118,6 +121,16 @@ def linear_forward(
             x = x.redistribute(mesh, shard)
         x_local = x.to_local()
     w_local = weight.to_local()
+    if hasattr(w_local, "fc_quantized"):
+        # FSDP2 gathered this TP shard quantized (fc.convert(..., quantized_all_gather=True)),
+        # with a scale from the data-parallel group's amax: not the whole weight's, which
+        # the TP plan needs (and for per-tensor scales, reduces over the TP group too).
+        raise NotImplementedError(
+            f"{module._where()}: FSDP2 x tensor parallelism (a weight sharded by "
+            "parallelize_module, then fully_shard) supports the high-precision FSDP2 "
+            "all-gather only, not quantized_all_gather=True; convert with "
+            "quantized_all_gather=False"
+        )
     b_local = None
     if bias is not None and style == COLWISE:
         b_local = bias.to_local() if isinstance(bias, DTensor) else bias
