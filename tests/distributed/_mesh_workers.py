@@ -386,6 +386,37 @@ def changed_weight(name: str, sharded: bool) -> dict[str, Any]:
     return {"after_change": after, "after_change_fresh": fresh, "same_address": same}
 
 
+# -- torch.compile of an FSDP2 model under fc.autocast ------------------------------------------
+
+
+def compiled_fsdp(quantized: bool, compiled: bool, rank: int) -> dict[str, Any]:
+    """The FSDP2 MLP under DelayedScaling over the world group, eager or
+    ``torch.compile``-d, 2 SGD steps: outputs and gradients, or the error's text, and the
+    autocast state after it."""
+    from fastcast.runtime.state import BOTTOM, get_stack  # noqa: PLC0415
+
+    recipe = fc.DelayedScaling(amax_history_len=4)
+    model = fc.convert(make_tp_mlp(), recipe=recipe, quantized_all_gather=quantized)
+    model = _shard(model, _mesh_1d())
+    run = torch.compile(model) if compiled else model
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    res: dict[str, Any] = {"outs": [], "grads": [], "error": ""}
+    try:
+        for step in range(2):
+            x, y = (dp_rows(t, rank) for t in mesh_batch(step))
+            with fc.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+                out = run(x)
+            (out - y).square().mean().backward()
+            res["outs"].append(out.detach())
+            res["grads"].append([_full(p.grad) for p in model.parameters()])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    except RuntimeError as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+    res["autocast_closed"] = get_stack() is BOTTOM  # no autocast level left open
+    return res
+
+
 # -- sections ---------------------------------------------------------------------------------
 
 
@@ -417,5 +448,16 @@ def section_mesh2d(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def section_mesh_compile(rank: int, world: int) -> dict[str, Any]:
+    return {
+        f"{'fp8' if q else 'hp'}.{'compiled' if c else 'eager'}": isolated(
+            compiled_fsdp, q, c, rank
+        )
+        for q in (False, True)
+        for c in (False, True)
+    }
+
+
 base.SECTIONS["mesh_save"] = section_mesh_save
+base.SECTIONS["mesh_compile"] = section_mesh_compile
 base.SECTIONS["mesh2d"] = section_mesh2d

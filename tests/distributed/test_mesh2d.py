@@ -245,3 +245,36 @@ def test_fsdp2_kept_weight_dropped_when_the_weight_changes(saved, recipe):
     # The case a test of the weight's version and address alone misses: FSDP2 gathered
     # the new values into the memory of the old ones (on some rank, in some round).
     assert any(any(r["same_address"]) for r in runs[:-1]), [r["same_address"] for r in runs]
+
+
+# -- 4. torch.compile of an FSDP2 model under fc.autocast -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh_compile(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from fastcast.kernels import build  # noqa: PLC0415
+
+    build.load()
+    return spawn("mesh_compile", 2, tmp_path_factory.mktemp("mesh_compile"), {})
+
+
+@pytest.mark.compile
+def test_compiled_fsdp2_delayed_scaling(mesh_compile):
+    """``torch.compile`` of an FSDP2 model, DelayedScaling over the world group: with
+    FSDP2's high-precision gather, the eager outputs and gradients bit for bit; with the
+    quantized (FP8) gather, a clear error at the first call (eager GEMMs take the gathered
+    FP8 weight; a graph cannot hold its delayed-scaling quantizer, and would quantize the
+    dequantized weight again), with the autocast closed."""
+    for result in mesh_compile:
+        eager, compiled = result["hp.eager"], result["hp.compiled"]
+        assert eager["error"] == compiled["error"] == ""
+        for a, b in zip(compiled["outs"], eager["outs"], strict=True):
+            assert torch.equal(a, b)
+        for ga, gb in zip(compiled["grads"], eager["grads"], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(ga, gb))
+        assert result["fp8.eager"]["error"] == "" and len(result["fp8.eager"]["outs"]) == 2
+        msg = result["fp8.compiled"]["error"]
+        assert "DelayedScaling with FSDP2's quantized all-gather" in msg, msg
+        assert "does not run under torch.compile" in msg and "Float8CurrentScaling" in msg
+        assert result["fp8.compiled"]["outs"] == []
+        assert all(r["autocast_closed"] for r in result.values())
