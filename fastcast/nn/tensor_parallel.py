@@ -67,14 +67,15 @@ ROWWISE = "rowwise"  # weight Shard(1): input features (the contraction) split
 __all__ = ["COLWISE", "ROWWISE", "ShardedRowwiseQuantizer", "linear_forward", "style_of"]
 
 
-def style_of(weight: DTensor) -> str:
-    """``COLWISE`` or ``ROWWISE`` from the weight's placement; clear errors otherwise."""
+def style_of(weight: DTensor, where: str = "tensor parallel fc.Linear") -> str:
+    """``COLWISE`` or ``ROWWISE`` from the weight's placement; clear errors otherwise
+    (``NotImplementedError``s, which start with ``where``: the layer)."""
     mesh = weight.device_mesh
     if mesh.ndim != 1:
         # FSDP2 x TP hands the layer the TP-sharded weight it gathered over the
         # data-parallel dim (1-D); a 2-D one is FSDP2's sharded parameter, not gathered.
         raise NotImplementedError(
-            f"tensor parallel fc.Linear needs its weight on a 1-D mesh, got a {mesh.ndim}-D "
+            f"{where}: tensor parallelism needs the weight on a 1-D mesh, got a {mesh.ndim}-D "
             "one; for FSDP2 x TP, parallelize_module over the TP sub-mesh, fully_shard over "
             "the data-parallel one, and call the layer through a fully_shard-ed module (which "
             "gathers the weight)"
@@ -85,7 +86,7 @@ def style_of(weight: DTensor) -> str:
     if isinstance(placement, Shard) and placement.dim in (1, -1):
         return ROWWISE
     raise NotImplementedError(
-        f"tensor parallel fc.Linear supports weights sharded as ColwiseParallel (Shard(0)) "
+        f"{where}: tensor parallelism supports weights sharded as ColwiseParallel (Shard(0)) "
         f"or RowwiseParallel (Shard(1)) place them, got {placement}"
     )
 
@@ -102,8 +103,9 @@ def linear_forward(
 ) -> torch.Tensor:
     """``module``'s quantized forward with a DTensor ``weight`` (see the module docstring).
 
-    Errors are raised without the layer's name: ``fc.Linear.forward`` puts it in front."""
-    style = style_of(weight)
+    ``ValueError``s are raised without the layer's name (``fc.Linear.forward`` puts it
+    in front); ``NotImplementedError``s, which it passes through, name it here."""
+    style = style_of(weight, module._where())
     mesh = weight.device_mesh
     replicate = [Replicate()]
     if style == COLWISE:

@@ -195,6 +195,26 @@ def _quantized_gather_2d() -> str:
     return ""
 
 
+def _ungathered_call_2d() -> str:
+    """A 2-D model ``fully_shard``-ed at its root only: after a forward and a reshard,
+    the first layer called by itself (its weight FSDP2's 2-D shard, not gathered): the
+    error."""
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    mesh = _mesh_2d()
+    recipe = fc.Float8CurrentScaling()
+    model = fully_shard(_parallelize(make_tp_mlp(), mesh["tp"]), mesh=mesh["dp"])
+    x = dp_rows(mesh_batch(0)[0], mesh.get_local_rank("dp"))
+    with fc.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+        model(x)
+        model.reshard()  # (the root keeps its weights gathered after a forward)
+        try:
+            model[0](x)
+        except NotImplementedError as e:
+            return str(e)
+    return ""
+
+
 # -- DCP: saved on 2 ranks, loaded on 1 and on 4 ---------------------------------------------
 
 # Wide enough that 4 tensor-parallel shards of the hidden layer (128) are whole blocks of
@@ -442,6 +462,7 @@ def section_mesh2d(rank: int, world: int) -> dict[str, Any]:
         if i % world == rank:  # the single-process references, shared out over the ranks
             out[f"{name}.reference"] = isolated(mesh_reference, name)
     out["quantized_gather_error"] = isolated(_quantized_gather_2d)
+    out["ungathered_error"] = isolated(_ungathered_call_2d)
     for kind in ("fsdp", "tp"):
         for name in RECIPES:
             out[f"load.{kind}.{name}"] = isolated(dcp_load, kind, name)

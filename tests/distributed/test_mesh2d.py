@@ -162,10 +162,14 @@ def test_fsdp2_x_tp_matches_single_process(mesh2d, recipe):
         assert torch.equal(got["forward.amax_history"], want["forward.amax_history"])
 
 
-def test_fsdp2_x_tp_refuses_the_quantized_all_gather(mesh2d):
+def test_fsdp2_x_tp_refusals(mesh2d):
+    """``quantized_all_gather=True`` on a 2-D model, and a layer called with FSDP2's
+    ungathered 2-D weight: ``NotImplementedError``s naming the layer and what to do."""
     for result in mesh2d:
         msg = result["quantized_gather_error"]
-        assert "fc.Linear '0'" in msg and "quantized_all_gather=False" in msg, msg
+        assert msg.startswith("fc.Linear '0'") and "quantized_all_gather=False" in msg, msg
+        msg = result["ungathered_error"]
+        assert msg.startswith("fc.Linear '0'") and "1-D mesh, got a 2-D one" in msg, msg
 
 
 # -- 2. DCP: saved on 2 ranks, loaded on 1 and on 4 -------------------------------------------
