@@ -32,6 +32,12 @@ rank quantizes its shard exactly as one process quantizes the whole tensor:
 input gradient is a partial sum that DTensor reduces. ``RowwiseParallel`` (weight
 ``Shard(1)``): input ``Shard(-1)``, the partial products are summed by an all-reduce and
 the (replicated) bias added after it, once.
+
+FSDP2 x TP (``parallelize_module`` over a 2-D mesh's TP dim, then ``fully_shard`` over its
+data-parallel dim): FSDP2 all-gathers each weight over the data-parallel dim, in high
+precision, into the 1-D TP DTensor this layer runs on; nothing else changes. A weight
+gathered quantized (``quantized_all_gather=True``) is refused: its scale comes from the
+data-parallel group's shards only.
 """
 
 from __future__ import annotations
