@@ -73,10 +73,17 @@ ROWWISE = "rowwise"  # weight Shard(1): input features (the contraction) split
 __all__ = ["COLWISE", "ROWWISE", "ShardedRowwiseQuantizer", "linear_forward", "style_of"]
 
 
-def style_of(weight: DTensor, where: str = "tensor parallel fc.Linear") -> str:
+def style_of(weight: DTensor, module: Any = None) -> str:
     """``COLWISE`` or ``ROWWISE`` from the weight's placement; clear errors otherwise
-    (``NotImplementedError``s, which start with ``where``: the layer)."""
+    (``NotImplementedError``s naming ``module``, the ``fc.Linear``, when given)."""
     mesh = weight.device_mesh
+    if mesh.ndim == 1:
+        placement = weight.placements[0]
+        if isinstance(placement, Shard) and placement.dim in (0, -2):
+            return COLWISE
+        if isinstance(placement, Shard) and placement.dim in (1, -1):
+            return ROWWISE
+    where = "tensor parallel fc.Linear" if module is None else module._where()
     if mesh.ndim != 1:
         # FSDP2 x TP hands the layer the TP-sharded weight it gathered over the
         # data-parallel dim (1-D); a 2-D one is FSDP2's sharded parameter, not gathered.
@@ -86,14 +93,9 @@ def style_of(weight: DTensor, where: str = "tensor parallel fc.Linear") -> str:
             "the data-parallel one, and call the layer through a fully_shard-ed module (which "
             "gathers the weight)"
         )
-    placement = weight.placements[0]
-    if isinstance(placement, Shard) and placement.dim in (0, -2):
-        return COLWISE
-    if isinstance(placement, Shard) and placement.dim in (1, -1):
-        return ROWWISE
     raise NotImplementedError(
         f"{where}: tensor parallelism supports weights sharded as ColwiseParallel (Shard(0)) "
-        f"or RowwiseParallel (Shard(1)) place them, got {placement}"
+        f"or RowwiseParallel (Shard(1)) place them, got {weight.placements[0]}"
     )
 
 
@@ -111,7 +113,7 @@ def linear_forward(
 
     ``ValueError``s are raised without the layer's name (``fc.Linear.forward`` puts it
     in front); ``NotImplementedError``s, which it passes through, name it here."""
-    style = style_of(weight, module._where())
+    style = style_of(weight, module)
     mesh = weight.device_mesh
     replicate = [Replicate()]
     if style == COLWISE:
