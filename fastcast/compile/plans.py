@@ -11,11 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._dynamo.comptime import comptime
 
 from ..distributed import all_reduce_max
 from ..nn.linear import plan_for
 from ..nn.recompute import checkpoint_region
 from ..nn.weight_cache import WeightCache, quantize_weight
+from ..quantizers.tensorwise import DelayedScalingQuantizer
 from ..runtime.state import AutocastFrame
 from ..schemes import Plan, Scheme, scheme_for
 from ..schemes.delayed.scheme import DelayedScalingScheme
@@ -42,7 +44,22 @@ def _traced_weight_quantize(
 ) -> Any:
     # The micro-batch cache is an eager optimisation: a compiled graph quantizes the weight
     # on every call (fused with its neighbours), which gives what the cache would hold.
+    if isinstance(quantizer, DelayedScalingQuantizer) and hasattr(type(weight), "fc_quantized"):
+        # FSDP2 gathered this weight quantized for DelayedScaling; eager GEMMs take it as
+        # gathered, but its quantizer (live scaling state) does not enter a graph, so the
+        # trace would quantize the dequantized weight again: other codes, other amaxes.
+        comptime(_refuse_delayed_gathered)
     return quantizer.quantize(weight, rowwise=True, columnwise=columnwise)
+
+
+def _refuse_delayed_gathered(ctx: Any) -> None:
+    # Raised at trace time (comptime): it reaches the caller as it is (see delayed.py).
+    raise RuntimeError(
+        "fastcast: DelayedScaling with FSDP2's quantized all-gather "
+        "(fc.convert(..., quantized_all_gather=True)) does not run under torch.compile: "
+        "the gathered FP8 weight's delayed-scaling quantizer cannot enter a graph; use "
+        "Float8CurrentScaling, quantized_all_gather=False, or run the model in eager"
+    )
 
 
 @torch.compiler.substitute_in_graph(all_reduce_max, skip_signature_check=True)

@@ -51,7 +51,9 @@ class Linear(nn.Linear):
     ``forward(x, is_first_microbatch=None)``: ``True`` quantizes the weight and keeps
     it, ``False`` reuses the kept one for the following micro-batches of the step; the
     kept weight is dropped as soon as the weight changes (its version counter moves, or
-    any optimizer steps: fused optimizers leave the version counter alone).
+    any optimizer steps: fused optimizers leave the version counter alone), or another
+    weight object is set (FSDP2 does at every gather and reshard: the weight is kept
+    across micro-batches while FSDP2 keeps it gathered).
     """
 
     # Qualified name in the model fc.convert swapped this layer into (error messages).
@@ -79,6 +81,18 @@ class Linear(nn.Linear):
         # Per-module state of stateful schemes (schemes.base.ModuleState values; delayed
         # scaling keeps one per direction), saved in the extra state.
         self._scheme_state: dict[Any, ModuleState] = {}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "weight":
+            # Another weight object: the kept quantized weight is not its. (FSDP2 swaps
+            # the gathered weight in before a forward and the sharded one back after;
+            # each gather writes the unsharded weight keeping its version counter, often
+            # into the same memory, so the cache's own test cannot see the new values.
+            # FSDP2 swaps with setattr on a module that defines __setattr__.)
+            cache = self.__dict__.get("_weight_cache")
+            if cache is not None and value is not self._parameters.get("weight"):
+                cache.clear()
+        super().__setattr__(name, value)
 
     def _get_name(self) -> str:
         # What repr prints: fastcast.Linear(in_features=.., out_features=.., bias=..).

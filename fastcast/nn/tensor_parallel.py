@@ -32,6 +32,12 @@ rank quantizes its shard exactly as one process quantizes the whole tensor:
 input gradient is a partial sum that DTensor reduces. ``RowwiseParallel`` (weight
 ``Shard(1)``): input ``Shard(-1)``, the partial products are summed by an all-reduce and
 the (replicated) bias added after it, once.
+
+FSDP2 x TP (``parallelize_module`` over a 2-D mesh's TP dim, then ``fully_shard`` over its
+data-parallel dim): FSDP2 all-gathers each weight over the data-parallel dim, in high
+precision, into the 1-D TP DTensor this layer runs on; nothing else changes. A weight
+gathered quantized (``quantized_all_gather=True``) is refused: its scale comes from the
+data-parallel group's shards only.
 """
 
 from __future__ import annotations
@@ -67,23 +73,29 @@ ROWWISE = "rowwise"  # weight Shard(1): input features (the contraction) split
 __all__ = ["COLWISE", "ROWWISE", "ShardedRowwiseQuantizer", "linear_forward", "style_of"]
 
 
-def style_of(weight: DTensor) -> str:
-    """``COLWISE`` or ``ROWWISE`` from the weight's placement; clear errors otherwise."""
+def style_of(weight: DTensor, module: Any = None) -> str:
+    """``COLWISE`` or ``ROWWISE`` from the weight's placement; clear errors otherwise
+    (``NotImplementedError``s naming ``module``, the ``fc.Linear``, when given)."""
     mesh = weight.device_mesh
+    if mesh.ndim == 1:
+        placement = weight.placements[0]
+        if isinstance(placement, Shard) and placement.dim in (0, -2):
+            return COLWISE
+        if isinstance(placement, Shard) and placement.dim in (1, -1):
+            return ROWWISE
+    where = "tensor parallel fc.Linear" if module is None else module._where()
     if mesh.ndim != 1:
+        # FSDP2 x TP hands the layer the TP-sharded weight it gathered over the
+        # data-parallel dim (1-D); a 2-D one is FSDP2's sharded parameter, not gathered.
         raise NotImplementedError(
-            f"tensor parallel fc.Linear needs its weight on a 1-D mesh, got a {mesh.ndim}-D "
-            "one; for FSDP2 x TP, parallelize over the TP sub-mesh and fully_shard over the "
-            "data-parallel one"
+            f"{where}: tensor parallelism needs the weight on a 1-D mesh, got a {mesh.ndim}-D "
+            "one; for FSDP2 x TP, parallelize_module over the TP sub-mesh, fully_shard over "
+            "the data-parallel one, and call the layer through a fully_shard-ed module (which "
+            "gathers the weight)"
         )
-    placement = weight.placements[0]
-    if isinstance(placement, Shard) and placement.dim in (0, -2):
-        return COLWISE
-    if isinstance(placement, Shard) and placement.dim in (1, -1):
-        return ROWWISE
     raise NotImplementedError(
-        f"tensor parallel fc.Linear supports weights sharded as ColwiseParallel (Shard(0)) "
-        f"or RowwiseParallel (Shard(1)) place them, got {placement}"
+        f"{where}: tensor parallelism supports weights sharded as ColwiseParallel (Shard(0)) "
+        f"or RowwiseParallel (Shard(1)) place them, got {weight.placements[0]}"
     )
 
 
@@ -99,8 +111,9 @@ def linear_forward(
 ) -> torch.Tensor:
     """``module``'s quantized forward with a DTensor ``weight`` (see the module docstring).
 
-    Errors are raised without the layer's name: ``fc.Linear.forward`` puts it in front."""
-    style = style_of(weight)
+    ``ValueError``s are raised without the layer's name (``fc.Linear.forward`` puts it
+    in front); ``NotImplementedError``s, which it passes through, name it here."""
+    style = style_of(weight, module)
     mesh = weight.device_mesh
     replicate = [Replicate()]
     if style == COLWISE:
@@ -118,6 +131,16 @@ def linear_forward(
             x = x.redistribute(mesh, shard)
         x_local = x.to_local()
     w_local = weight.to_local()
+    if hasattr(w_local, "fc_quantized"):
+        # FSDP2 gathered this TP shard quantized (fc.convert(..., quantized_all_gather=True)),
+        # with a scale from the data-parallel group's amax: not the whole weight's, which
+        # the TP plan needs (and for per-tensor scales, reduces over the TP group too).
+        raise NotImplementedError(
+            f"{module._where()}: FSDP2 x tensor parallelism (a weight sharded by "
+            "parallelize_module, then fully_shard) supports the high-precision FSDP2 "
+            "all-gather only, not quantized_all_gather=True; convert with "
+            "quantized_all_gather=False"
+        )
     b_local = None
     if bias is not None and style == COLWISE:
         b_local = bias.to_local() if isinstance(bias, DTensor) else bias

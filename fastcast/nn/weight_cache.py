@@ -18,7 +18,9 @@ class WeightCache:
     optimizers leave the version counter alone), the same quantizer, and the layouts
     asked for. Writes through ``weight.data`` in place (``weight.data.copy_(...)``) move
     no version counter and cannot be seen cheaply: pass ``is_first_microbatch=True`` after
-    them."""
+    them. ``fc.Linear`` also clears it when another weight object is set on it (FSDP2's
+    gathers write the unsharded weight without moving its version counter, but swap it
+    in and out with setattr)."""
 
     __slots__ = ("entry",)
 
