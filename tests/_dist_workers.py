@@ -874,27 +874,27 @@ def section_fsdp_fp8(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def fp8ag_llama(recipe_name: str, quantized: bool, rank: int | None, world: int) -> dict[str, Any]:
-    """A one-layer Hugging Face Llama from a config, every fc.Linear (lm_head included)
-    and the decoder layer ``fully_shard``-ed, 3 SGD steps; each rank its own sequences
-    (``rank=None``: one process, all of them)."""
+def sharded_llama(
+    recipe: fc.Recipe, quantized: bool, seed: int, hidden: int, mlp: int, world: int | None
+) -> nn.Module:
+    """A converted one-layer Hugging Face Llama built from a config; with ``world``, every
+    fc.Linear, the decoder layer and the model ``fully_shard``-ed over the world."""
     import transformers  # noqa: PLC0415
 
     config = transformers.LlamaConfig(
         vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=mlp,
         num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=4,
         max_position_embeddings=32,
     )
-    recipe = RECIPES[recipe_name]()
-    torch.manual_seed(77)
+    torch.manual_seed(seed)
     model = fc.convert(
         transformers.LlamaForCausalLM(config), recipe=recipe, quantized_all_gather=quantized
     )
-    if rank is not None:
+    if world is not None:
         from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
         from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
@@ -904,6 +904,15 @@ def fp8ag_llama(recipe_name: str, quantized: bool, rank: int | None, world: int)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    return model
+
+
+def fp8ag_llama(recipe_name: str, quantized: bool, rank: int | None, world: int) -> dict[str, Any]:
+    """A one-layer Hugging Face Llama from a config, every fc.Linear (lm_head included)
+    and the decoder layer ``fully_shard``-ed, 3 SGD steps; each rank its own sequences
+    (``rank=None``: one process, all of them)."""
+    recipe = RECIPES[recipe_name]()
+    model = sharded_llama(recipe, quantized, 77, 64, 128, None if rank is None else world)
     group = None if rank is None else dist.group.WORLD
     # As loss_fn does: each rank's loss is its share of the global one (a sum over its
     # tokens over the global count), so gradients (and their amaxes) agree row for row
@@ -1203,32 +1212,8 @@ def qag_llama(recipe_name: str, rank: int | None, world: int) -> dict[str, Any]:
     """A one-layer Hugging Face Llama from a config (hidden 128, MLP 256, every fc.Linear
     and the decoder layer ``fully_shard``-ed), 3 SGD steps, quantized all-gather; one
     process (``rank=None``) runs the ranks' sequences as accumulated micro-batches."""
-    import transformers  # noqa: PLC0415
-
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=32,
-    )
     recipe = QAG_RECIPES[recipe_name]()
-    torch.manual_seed(78)
-    model = fc.convert(
-        transformers.LlamaForCausalLM(config), recipe=recipe, quantized_all_gather=True
-    )
-    if rank is not None:
-        from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
-        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
-
-        mesh = init_device_mesh("cpu", (world,))
-        for m in fc_linears(model):
-            fully_shard(m, mesh=mesh)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+    model = sharded_llama(recipe, True, 78, 128, 256, None if rank is None else world)
     opt = torch.optim.SGD(model.parameters(), lr=0.1 if rank is None else 0.1 * world)
     losses = []
     with warnings.catch_warnings():

@@ -17,7 +17,6 @@ never hangs the run.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import _dist_workers as workers
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _spawn import spawn_ranks
 
 pytestmark = [
     pytest.mark.distributed,
@@ -41,42 +40,7 @@ HARD_TIMEOUT = 120.0  # seconds for a whole spawn; a healthy one takes a few
 
 def spawn(section: str, out_dir: Path) -> list[dict[str, Any]]:
     """Run ``section`` on ``WORLD`` spawned ranks; their results, by rank."""
-    ctx = mp.get_context("spawn")
-    init_file = out_dir / "pg_init"
-    procs = [
-        ctx.Process(
-            target=workers.entry,
-            args=(section, rank, WORLD, str(init_file), str(out_dir)),
-            daemon=True,
-        )
-        for rank in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + HARD_TIMEOUT
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    errors = "".join(
-        f"\n--- rank {rank} ---\n{(out_dir / f'error_rank{rank}.txt').read_text()}"
-        for rank in range(WORLD)
-        if (out_dir / f"error_rank{rank}.txt").exists()
-    )
-    if hung:
-        pytest.fail(f"{section}: ranks {hung} still running after {HARD_TIMEOUT}s{errors}")
-    codes = [p.exitcode for p in procs]
-    if any(codes):
-        pytest.fail(f"{section}: worker exit codes {codes}{errors}")
-    return [
-        torch.load(out_dir / f"{section}_rank{rank}.pt", weights_only=True) for rank in range(WORLD)
-    ]
+    return spawn_ranks(workers.entry, section, WORLD, out_dir, HARD_TIMEOUT)
 
 
 @pytest.fixture(scope="module")

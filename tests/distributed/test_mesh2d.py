@@ -7,8 +7,6 @@ writes the checkpoints that ``mesh2d`` (4 ranks) loads.
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +14,7 @@ import _mesh_workers as workers
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _spawn import spawn_ranks
 
 pytestmark = [
     pytest.mark.distributed,
@@ -32,47 +30,7 @@ HARD_TIMEOUT = 240.0  # seconds for a whole spawn; a healthy one takes well unde
 def spawn(section: str, world: int, out_dir: Path, env: dict[str, str]) -> list[dict[str, Any]]:
     """Run ``section`` on ``world`` spawned ranks (``env`` added to their environment);
     their results, by rank. A rank still running after ``HARD_TIMEOUT`` is killed."""
-    ctx = mp.get_context("spawn")
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # inherited by the spawned processes
-    try:
-        procs = [
-            ctx.Process(
-                target=workers.entry,
-                args=(section, rank, world, str(out_dir / "pg_init"), str(out_dir)),
-                daemon=True,
-            )
-            for rank in range(world)
-        ]
-        for p in procs:
-            p.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    deadline = time.monotonic() + HARD_TIMEOUT
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    errors = "".join(
-        f"\n--- rank {rank} ---\n{(out_dir / f'error_rank{rank}.txt').read_text()}"
-        for rank in range(world)
-        if (out_dir / f"error_rank{rank}.txt").exists()
-    )
-    if hung:
-        pytest.fail(f"{section}: ranks {hung} still running after {HARD_TIMEOUT}s{errors}")
-    codes = [p.exitcode for p in procs]
-    if any(codes):
-        pytest.fail(f"{section}: worker exit codes {codes}{errors}")
-    return [
-        torch.load(out_dir / f"{section}_rank{rank}.pt", weights_only=True) for rank in range(world)
-    ]
+    return spawn_ranks(workers.entry, section, world, out_dir, HARD_TIMEOUT, env)
 
 
 @pytest.fixture(scope="module")
