@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastcast as fc
 from fastcast.runtime.state import thread_state
-from fastcast.schemes.delayed import FORWARD, DelayedScalingScheme, DelayedState, DelayedThreadState
+from fastcast.schemes.delayed import FORWARD, DelayedState, DelayedThreadState
 
 INNER = 10
 FEATURES = 16
@@ -75,13 +75,13 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def own_registry() -> Iterator[DelayedState]:
     """This thread's delayed-scaling state, emptied; the previous one is restored after."""
     schemes = thread_state().schemes
-    saved = schemes.pop(DelayedScalingScheme, None)
+    saved = schemes.pop(DelayedThreadState, None)
     try:
         yield DelayedThreadState.of(thread_state()).own
     finally:
-        schemes.pop(DelayedScalingScheme, None)
+        schemes.pop(DelayedThreadState, None)
         if saved is not None:
-            schemes[DelayedScalingScheme] = saved
+            schemes[DelayedThreadState] = saved
 
 
 def count_calls(fn: Callable[[], object]) -> tuple[int, int]:
