@@ -124,7 +124,7 @@ def convert(
             visit(child, f"{name}.{child_name}" if name else child_name)
     report.log()
     # Mixture-of-experts: transformers 5 experts modules (3-D expert parameters).
-    convert_experts(module, module_filter_fn, recipe)
+    report.experts = convert_experts(module, module_filter_fn, recipe)
     report.warn(module)
     _validate_loads(module)
     if recipe is not None:
@@ -270,6 +270,7 @@ class _Report:
         self.conv1d = 0
         self.already = 0
         self.filtered = 0
+        self.experts = 0  # experts modules on the grouped GEMM (converted now or before)
         self.skipped: list[str] = []
 
     @property
@@ -323,6 +324,8 @@ class _Report:
         if self.converted == 0 and self.already == 0 and self.filtered == 0:
             if involuntary:
                 why = "every nn.Linear/Conv1D layer was kept"
+            elif self.experts:  # only experts modules, now on the grouped GEMM
+                return
             else:
                 why = "it has no nn.Linear or transformers Conv1D layer"
             cause = f"converted no layer of {type(module).__name__}: {why}"

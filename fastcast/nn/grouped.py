@@ -214,7 +214,8 @@ def convert_experts(
     recipe: Recipe | None,
 ) -> int:
     """Convert every transformers experts module below ``module`` (``is_experts``) in
-    place, keeping its parameters, names and state-dict keys; returns how many. Experts
+    place, keeping its parameters, names and state-dict keys; returns how many experts
+    modules run on the grouped GEMM afterwards (converted now or before). Experts
     whose features are not multiples of the recipe's block are kept, as are those
     ``module_filter_fn`` refuses; a recipe the grouped GEMM cannot run converts none."""
     align = 16
@@ -224,9 +225,12 @@ def convert_experts(
         except TypeError as exc:
             logger.info("fastcast.convert: experts kept in high precision: %s", exc)
             return 0
-    converted, skipped = 0, []
+    converted, already, skipped = 0, 0, []
     for name, sub in module.named_modules():
-        if isinstance(sub, _FastcastExperts) or not is_experts(sub):
+        if isinstance(sub, _FastcastExperts):
+            already += 1
+            continue
+        if not is_experts(sub):
             continue
         up = sub.gate_up_proj if sub.has_gate else sub.up_proj
         dims = (*_in_out(up, sub.is_transposed), *_in_out(sub.down_proj, sub.is_transposed))
@@ -247,4 +251,4 @@ def convert_experts(
             len(skipped),
             (": " + ", ".join(skipped[:10])) if skipped else "",
         )
-    return converted
+    return converted + already

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -283,6 +284,22 @@ def test_convert_experts_quantizes_inside_and_is_exact_outside(build):
         assert not torch.equal(got, want)
         err = (got - want).norm() / want.norm()
         assert 1e-4 < err < 0.1, err  # FP8: near, not equal
+
+
+def test_converting_a_bare_experts_module_converts_it_without_a_warning():
+    """``fc.convert(experts)`` on the experts module itself (no nn.Linear anywhere):
+    converted in place, no "converted no layer" warning, and again on a second call."""
+    experts, h, index, weights = _routed(_qwen3_moe())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fc.convert(experts, recipe=fc.MXFP8BlockScaling()) is experts
+        fc.convert(experts, recipe=fc.MXFP8BlockScaling())
+    assert type(experts).__name__.startswith("Fastcast")
+    plain = experts(h, index, weights)
+    with fc.autocast(recipe=fc.MXFP8BlockScaling()):
+        assert not torch.equal(experts(h, index, weights), plain)  # quantized inside
+    with pytest.warns(UserWarning, match="converted no layer of Sequential"):
+        fc.convert(torch.nn.Sequential(torch.nn.ReLU()))  # nothing to convert: still said
 
 
 def test_converted_experts_round_trip_checkpoints(tmp_path):
