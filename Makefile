@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BENCH_TOOLS := $(VENV)/.bench
 COMPARE := $(VENV)/.compare
 
-.PHONY: kernels bench bench-sample bench-compare readme profile nsys test test-slow lint clean
+.PHONY: kernels bench bench-check bench-sample bench-compare readme profile nsys test test-slow lint clean
 
 $(STAMP): pyproject.toml setup.py fastcast/runtime/_native.c
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ test-slow: kernels
 
 bench: $(COMPARE) kernels
 	$(PY) -m bench.run
+
+# Every benchmark once, untimed (seconds): .ci/run's check that `make bench` runs.
+bench-check: $(COMPARE) kernels
+	$(PY) -m pytest bench -o python_files=bench_*.py --benchmark-disable -q -p no:cacheprovider
 
 # Replace the committed bench/results/sample.json with this run's medians and overhead
 # report, then README's tables and bench/charts/ from it (make bench itself changes no
