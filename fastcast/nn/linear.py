@@ -125,7 +125,7 @@ class Linear(nn.Linear):
                 return F.linear(x, weight, bias)
             if weight.__class__ is not nn.Parameter and is_dtensor(weight):
                 # Tensor parallel (parallelize_module): GEMMs on the local shards.
-                return _tensor_parallel_forward(
+                return _tensor_parallel().linear_forward(
                     self, x, weight, bias, frame, is_first_microbatch, replay, record
                 )
             plan = plan_for(self, frame, weight)
@@ -170,6 +170,9 @@ class Linear(nn.Linear):
 
     def _calibrate(self, x: torch.Tensor, weight: torch.Tensor, frame: AutocastFrame) -> None:
         """High-precision run that lets stateful schemes record what they need."""
+        if weight.__class__ is not nn.Parameter and is_dtensor(weight):
+            _tensor_parallel().calibrate(self, x, weight, frame)
+            return
         plan_for(self, frame, weight).calibrate(x, weight)
 
     # -- state: _extra_state, loading, device moves, pickling -------------------------------
@@ -384,8 +387,8 @@ def _padded(
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _tensor_parallel_forward(*args: Any) -> Any:
-    """``tensor_parallel.linear_forward`` (imported on first use: it needs DTensor)."""
-    from .tensor_parallel import linear_forward  # noqa: PLC0415 - torch.distributed.tensor
+def _tensor_parallel() -> Any:
+    """``nn.tensor_parallel``, imported on first use (it needs DTensor)."""
+    from . import tensor_parallel  # noqa: PLC0415 - torch.distributed.tensor
 
-    return linear_forward(*args)
+    return tensor_parallel

@@ -70,7 +70,14 @@ from .function import LinearFunction, forward_gemm
 COLWISE = "colwise"  # weight Shard(0): output features split
 ROWWISE = "rowwise"  # weight Shard(1): input features (the contraction) split
 
-__all__ = ["COLWISE", "ROWWISE", "ShardedRowwiseQuantizer", "linear_forward", "style_of"]
+__all__ = [
+    "COLWISE",
+    "ROWWISE",
+    "ShardedRowwiseQuantizer",
+    "calibrate",
+    "linear_forward",
+    "style_of",
+]
 
 
 def style_of(weight: DTensor, module: Any = None) -> str:
@@ -158,6 +165,21 @@ def linear_forward(
     if not isinstance(bias, DTensor):
         bias = DTensor.from_local(bias, mesh, replicate, run_check=False)
     return total + bias.to(total.dtype)
+
+
+def calibrate(module: Any, x: torch.Tensor, weight: DTensor, frame: AutocastFrame) -> None:
+    """``fc.autocast(enabled=False, calibrating=True)`` on a tensor-parallel layer: the
+    plan records the amaxes of the local shards, which the end-of-step reduction over the
+    autocast's group (required for ``DelayedScaling``, as in training) makes the whole
+    tensors' amaxes."""
+    style = style_of(weight, module)
+    x_local = x.to_local() if isinstance(x, DTensor) else x
+    w_local = weight.to_local()
+    try:
+        plan = _plan(module, frame, style, weight.device_mesh, w_local)
+    except ValueError as exc:  # the forward names the layer likewise
+        raise ValueError(f"{module._where()}: {exc}") from exc
+    plan.calibrate(x_local, w_local)
 
 
 def _local_linear(
