@@ -43,17 +43,13 @@ data-parallel group's shards only.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..distributed.amax import all_reduce_max
-from ..quantizers.nvfp4 import NVFP4Quantizer
-from ..quantizers.rowwise import RowwiseQuantizer
 from ..recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -64,8 +60,8 @@ from ..recipe import (
 )
 from ..runtime.state import AutocastFrame
 from ..schemes import Plan, scheme_for
-from ..tensor import Float8Tensor, NVFP4Tensor
 from .function import LinearFunction, forward_gemm
+from .sharded_quantizers import ShardedNVFP4Quantizer, ShardedRowwiseQuantizer
 
 COLWISE = "colwise"  # weight Shard(0): output features split
 ROWWISE = "rowwise"  # weight Shard(1): input features (the contraction) split
@@ -300,67 +296,4 @@ def _check_blocks(w: torch.Tensor, style: str, block: int, recipe: Any) -> None:
             f"tensor-parallel dimension, but this rank's shard has {local} {what}; choose "
             f"sizes whose shards are multiples of {block} (so that shard boundaries fall on "
             "block boundaries)"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedRowwiseQuantizer:
-    """``RowwiseQuantizer`` over a shard of a tensor split along a dim its rows span.
-
-    ``reduce_rows``: the row-wise layout's rows (along K, the last dim) are split across
-    ``group``, so each row's amax is max-reduced over it before the scale is made;
-    ``reduce_columns`` likewise for the column-wise layout (rows of ``x.T``). The scales,
-    and so the codes, are those the whole tensor gets from ``RowwiseQuantizer``.
-    """
-
-    base: RowwiseQuantizer
-    group: Any
-    reduce_rows: bool
-    reduce_columns: bool
-
-    @property
-    def fmt(self) -> str:
-        return self.base.fmt
-
-    def quantize(
-        self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
-    ) -> Float8Tensor:
-        reduce = functools.partial(all_reduce_max, group=self.group)
-        return self.base.quantize(
-            x,
-            rowwise=rowwise,
-            columnwise=columnwise,
-            reduce_rows=reduce if self.reduce_rows else None,
-            reduce_columns=reduce if self.reduce_columns else None,
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedNVFP4Quantizer:
-    """``NVFP4Quantizer`` over a shard of a tensor split across ``group``: the FP32
-    tensor scale of each layout (and of the Hadamard-transformed column-wise layout)
-    comes from the amax of the whole tensor, max-reduced over ``group``; the 16-element
-    blocks (and 16x16 tiles) are local, as the shards are multiples of 16. The codes and
-    scales are then those ``NVFP4Quantizer`` gives the whole tensor (stochastic rounding
-    aside: its random draws are the shard's own)."""
-
-    base: NVFP4Quantizer
-    group: Any
-
-    fmt: ClassVar[str] = "e2m1"
-
-    def quantize(
-        self,
-        x: torch.Tensor,
-        *,
-        rowwise: bool = True,
-        columnwise: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> NVFP4Tensor:
-        return self.base.quantize(
-            x,
-            rowwise=rowwise,
-            columnwise=columnwise,
-            generator=generator,
-            reduce_amax=functools.partial(all_reduce_max, group=self.group),
         )
