@@ -29,7 +29,10 @@ rank quantizes its shard exactly as one process quantizes the whole tensor:
 - ``CustomRecipe``: its quantizers see the local shards as they are.
 
 ``ColwiseParallel`` (weight ``Shard(0)``): input replicated, output ``Shard(-1)``; the
-input gradient is a partial sum that DTensor reduces. ``RowwiseParallel`` (weight
+input gradient is a partial sum that DTensor reduces. A sequence-sharded input (which
+``fastcast.distributed.sequence_parallel.QuantizedColwiseParallel`` hands over as it is)
+is all-gathered in FP8 by ``sequence_parallel`` where it can, else in high precision
+here. ``RowwiseParallel`` (weight
 ``Shard(1)``): input ``Shard(-1)``, the partial products are summed by an all-reduce and
 the (replicated) bias added after it, once.
 
@@ -61,6 +64,7 @@ from ..recipe import (
 from ..runtime.state import AutocastFrame
 from ..schemes import Plan, scheme_for
 from .function import LinearFunction, forward_gemm
+from .sequence_parallel import InputGather, input_gather
 from .sharded_quantizers import ShardedNVFP4Quantizer, ShardedRowwiseQuantizer
 
 COLWISE = "colwise"  # weight Shard(0): output features split
@@ -112,13 +116,20 @@ def linear_forward(
     style = style_of(weight, module)
     mesh = weight.device_mesh
     replicate = [Replicate()]
+    gather = None
     if style == COLWISE:
         if not isinstance(x, DTensor):  # a plain tensor is taken as the replicated input
             x = DTensor.from_local(x, mesh, replicate, run_check=False)
-        elif tuple(x.placements) != (Replicate(),):  # e.g. sequence-sharded: all-gather
-            x = x.redistribute(mesh, replicate)
-        # Each rank's input gradient is its shard's contribution: a partial sum.
-        x_local = x.to_local(grad_placements=[Partial()])
+        elif tuple(x.placements) != (Replicate(),):  # e.g. sequence-sharded: all-gather,
+            # in FP8 where sequence_parallel can (its GEMMs then take the local slice)
+            gather = input_gather(x, mesh, frame.recipe)
+            if gather is None:
+                x = x.redistribute(mesh, replicate)
+        if gather is not None:
+            x_local = x.to_local()  # its gradient: this rank's slice, reduce-scattered
+        else:
+            # Each rank's input gradient is its shard's contribution: a partial sum.
+            x_local = x.to_local(grad_placements=[Partial()])
     else:
         shard = [Shard(x.dim() - 1)]
         if not isinstance(x, DTensor):  # a plain tensor is taken as the local shard
@@ -141,7 +152,7 @@ def linear_forward(
     if bias is not None and style == COLWISE:
         b_local = bias.to_local() if isinstance(bias, DTensor) else bias
     out = _local_linear(
-        module, x_local, w_local, b_local, frame, style, mesh, first, replay, record
+        module, x_local, w_local, b_local, frame, style, mesh, first, replay, record, gather, x
     )
     if style == COLWISE:
         return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
@@ -167,8 +178,12 @@ def _local_linear(
     first: bool | None,
     replay: Any,
     record: Any,
+    gather: InputGather | None = None,
+    source: DTensor | None = None,
 ) -> torch.Tensor:
-    """The quantized linear of local tensors under the tensor-parallel plan."""
+    """The quantized linear of local tensors under the tensor-parallel plan; with
+    ``gather``, ``x`` is this rank's slice of the sequence-sharded ``source``, which it
+    all-gathers in FP8."""
     if x.numel() == 0:
         return F.linear(x, w, b)
     plan = _plan(module, frame, style, mesh, w)
@@ -177,6 +192,8 @@ def _local_linear(
     )
     call = plan.call(autograd, replay, record)
     cache = module._weight_cache
+    if gather is not None:
+        return gather.linear(source, x, w, b, call, cache, first, autograd)
     if not autograd:
         return forward_gemm(x, w, b, call, cache, first, False, False)[0]
     rows = x.numel() // x.shape[-1]
