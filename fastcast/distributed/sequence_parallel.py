@@ -4,13 +4,14 @@
 torch's ``ColwiseParallel(input_layouts=Shard(1))`` all-gathers the input in high
 precision in its forward pre-hook, before the layer runs. This style is the same in
 everything (weight and bias ``Shard(0)``, output ``Shard(-1)`` or ``output_layouts``),
-except that on an ``fc.Linear`` inside an enabled ``fc.autocast`` with a per-tensor recipe
-it hands the layer the rank's slice as a ``Shard`` DTensor; the layer then casts the slice
-to FP8 with the global scale and all-gathers the codes (``fastcast.nn.sequence_parallel``,
-which also lists the inputs it still gathers in high precision). Anywhere else (another
-recipe, outside autocast, another module type) it gathers as ``ColwiseParallel`` does.
-The results are those of ``ColwiseParallel``, bit for bit; only the bytes on the wire
-differ (a quarter of an FP32 gather, half of a BF16 one).
+except that on an ``fc.Linear`` it hands the layer the rank's slice as a ``Shard`` DTensor,
+and the layer gathers it: inside an enabled ``fc.autocast`` with a per-tensor recipe it
+casts the slice to FP8 with the global scale and all-gathers the codes
+(``fastcast.nn.sequence_parallel``, which also lists the inputs it still gathers in high
+precision); anywhere else (another recipe, outside autocast) in high precision, as
+``ColwiseParallel`` does. On another module type it is ``ColwiseParallel``. The results
+are those of ``ColwiseParallel``, bit for bit; only the bytes on the wire differ (a
+quarter of an FP32 gather, half of a BF16 one).
 """
 
 from __future__ import annotations
@@ -18,14 +19,11 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-import torch
 from torch import nn
-from torch.distributed.tensor import DeviceMesh, DTensor, Shard, distribute_module
+from torch.distributed.tensor import DeviceMesh, DTensor, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from ..nn.linear import Linear
-from ..nn.sequence_parallel import PER_TENSOR
-from ..runtime.state import get_stack
 
 __all__ = ["QuantizedColwiseParallel"]
 
@@ -56,25 +54,11 @@ class QuantizedColwiseParallel(ColwiseParallel):
         inputs: tuple[Any, ...],
         device_mesh: DeviceMesh,
     ) -> DTensor:
-        """``ColwiseParallel``'s input hook, leaving a sequence-sharded input sharded when
-        the layer will gather it in FP8 (it gathers in high precision where it cannot)."""
+        """``ColwiseParallel``'s input hook without the redistribution: the ``fc.Linear``
+        gathers its input itself, in FP8 where it can, else in high precision. (Deciding
+        in the layer rather than here keeps an activation-checkpointed recomputation,
+        which replays the original call's autocast, doing what the original did.)"""
         x = inputs[0]
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
-        if tuple(x.placements) == tuple(desired_input_layouts):
-            return x
-        if _gathered_by_layer(x):
-            return x
-        return x.redistribute(placements=desired_input_layouts, async_op=True)
-
-
-def _gathered_by_layer(x: DTensor) -> bool:
-    """Whether the ``fc.Linear`` will gather ``x`` itself (in FP8): a per-tensor recipe's
-    enabled autocast and a sequence-sharded input (the layer checks the rest)."""
-    frame = get_stack()[0]
-    if not frame.enabled or not isinstance(frame.recipe, PER_TENSOR):
-        return False
-    if len(x.placements) != 1 or torch.compiler.is_compiling():
-        return False
-    placement = x.placements[0]
-    return isinstance(placement, Shard) and placement.dim % x.dim() != x.dim() - 1
+        return x

@@ -111,6 +111,10 @@ class Linear(nn.Linear):
         if region is not None:  # activation checkpointing: record, or replay the original
             frame, replay, record = self._checkpointed(frame, *region)
         if not frame.enabled:
+            if x.__class__ is not torch.Tensor and is_dtensor(x):
+                # QuantizedColwiseParallel leaves a sequence-sharded input to the layer,
+                # which gathers it, in high precision here (as ColwiseParallel would).
+                x = _replicated_input(x, weight)
             if frame.calibrating and replay is None:
                 self._calibrate(x, weight, frame)
             return F.linear(x, weight, bias)
@@ -382,6 +386,13 @@ def _padded(
     x2d = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % align))
     out = LinearFunction.apply(x2d, weight, bias, call, cache, first)[:rows]
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _replicated_input(x: Any, weight: Any) -> Any:
+    """``tensor_parallel.replicated_input`` (imported on first use: it needs DTensor)."""
+    from .tensor_parallel import replicated_input  # noqa: PLC0415 - torch.distributed.tensor
+
+    return replicated_input(x, weight)
 
 
 def _tensor_parallel_forward(*args: Any) -> Any:

@@ -109,7 +109,8 @@ class InputGather:
             kept = getattr(source, _SHARED, None)
             if kept is not None and kept[:3] == (quantizer, self.mesh, versions):
                 return kept[3]
-        local = quantizer.quantize(x, rowwise=True, columnwise=False)
+        # (Detached: outside the autograd Function nothing of the cast may be recorded.)
+        local = quantizer.quantize(x.detach(), rowwise=True, columnwise=False)
         x_q = Float8Tensor.assemble(
             local.fmt,
             self.shape,

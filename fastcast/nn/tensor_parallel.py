@@ -70,7 +70,14 @@ from .sharded_quantizers import ShardedNVFP4Quantizer, ShardedRowwiseQuantizer
 COLWISE = "colwise"  # weight Shard(0): output features split
 ROWWISE = "rowwise"  # weight Shard(1): input features (the contraction) split
 
-__all__ = ["COLWISE", "ROWWISE", "ShardedRowwiseQuantizer", "linear_forward", "style_of"]
+__all__ = [
+    "COLWISE",
+    "ROWWISE",
+    "ShardedRowwiseQuantizer",
+    "linear_forward",
+    "replicated_input",
+    "style_of",
+]
 
 
 def style_of(weight: DTensor, module: Any = None) -> str:
@@ -97,6 +104,17 @@ def style_of(weight: DTensor, module: Any = None) -> str:
         f"{where}: tensor parallelism supports weights sharded as ColwiseParallel (Shard(0)) "
         f"or RowwiseParallel (Shard(1)) place them, got {weight.placements[0]}"
     )
+
+
+def replicated_input(x: DTensor, weight: Any) -> DTensor:
+    """A column-parallel layer's input ``x`` all-gathered (high precision) where it is
+    sharded: outside autocast an ``fc.Linear`` is ``F.linear`` on DTensors, and its
+    ``QuantizedColwiseParallel`` hands over a sequence-sharded input as it is."""
+    if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1:
+        return x
+    if tuple(x.placements) == (Replicate(),) or style_of(weight) != COLWISE:
+        return x
+    return x.redistribute(weight.device_mesh, [Replicate()])
 
 
 def linear_forward(

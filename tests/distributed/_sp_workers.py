@@ -170,9 +170,16 @@ def sp_reference(recipe_name: str) -> dict[str, Any]:
     return res
 
 
-def sp_layer(recipe_name: str, shape: tuple[int, ...], dim: int, quantized: bool) -> dict[str, Any]:
+def sp_layer(
+    recipe_name: str,
+    shape: tuple[int, ...],
+    dim: int,
+    quantized: bool,
+    checkpointed: bool = False,
+) -> dict[str, Any]:
     """One colwise fc.Linear(128, 64) given a ``Shard(dim)`` DTensor input of ``shape``
-    (torch.chunk's slices, uneven ones included): training and no-grad forwards."""
+    (torch.chunk's slices, uneven ones included): training and no-grad forwards; the
+    training one under activation checkpointing when ``checkpointed``."""
     from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
     from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415
 
@@ -188,7 +195,10 @@ def sp_layer(recipe_name: str, shape: tuple[int, ...], dim: int, quantized: bool
     with GatherBytes() as counter:
         counter.on = True
         with fc.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
-            out = layer(x_dt)
+            if checkpointed:  # recomputed in backward, after the autocast
+                out = torch.utils.checkpoint.checkpoint(layer, x_dt, use_reentrant=False)
+            else:
+                out = layer(x_dt)
             with torch.no_grad():
                 out_eval = layer(x_dt)
     counter.on = False
@@ -298,6 +308,12 @@ def section_sp_fp8(rank: int, world: int) -> dict[str, Any]:
         for quantized in (True, False):
             tag = "fp8" if quantized else "hp"
             out[f"layer.{key}.{tag}"] = isolated(sp_layer, "current", shape, dim, quantized)
+    for name in SP_RECIPES:
+        for quantized in (True, False):
+            tag = "fp8" if quantized else "hp"
+            shape, dim = SP_SHAPES["b2_s16"]
+            run = isolated(sp_layer, name, shape, dim, quantized, True)
+            out[f"checkpointed.{name}.{tag}"] = run
     for i, name in enumerate(SP_RECIPES):
         for mode in ("fp8", "hp"):
             out[f"llama.{name}.{mode}"] = isolated(sp_llama, name, mode)

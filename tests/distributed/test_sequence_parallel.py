@@ -148,3 +148,16 @@ def test_fp8_gather_hugging_face_llama(sp, recipe):
         assert fp8["calls"]["uint8"] == (3 if shared else 6) * workers.SP_STEPS
         ratio = fp8["bytes"]["uint8"] / hp["bytes"]["high_precision"]
         assert ratio == (0.125 if shared else 0.25)
+
+
+@pytest.mark.parametrize("recipe", workers.SP_RECIPES)
+def test_fp8_gather_under_activation_checkpointing(sp, recipe):
+    """``torch.utils.checkpoint`` around the layer: the forward gathers in FP8; the
+    recomputation in backward (after the autocast exited: the style gathers in high
+    precision there, the layer replays the original call's scales) quantizes the same
+    codes, so output and gradients equal the high-precision gather's bit for bit."""
+    for rank, result in enumerate(sp):
+        fp8, hp = result[f"checkpointed.{recipe}.fp8"], result[f"checkpointed.{recipe}.hp"]
+        assert fp8["fp8_gathers"] >= 1, rank
+        for key in ("out", "out_eval", "x_grad", "grads"):
+            assert_equal(fp8[key], hp[key], f"rank {rank} {key}")
