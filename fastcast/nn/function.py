@@ -26,13 +26,17 @@ def forward_gemm(
     first: bool | None,
     need_dgrad: bool,
     need_wgrad: bool,
+    x_q: QuantizedTensor | None = None,
 ) -> tuple[torch.Tensor, QuantizedTensor, QuantizedTensor]:
     """Quantize input and weight with ``call``'s quantizers and run the forward GEMM.
 
     ``call`` is the scheme's per-call object (``schemes.base.Plan.call``); column-wise
-    layouts are made only for the backward GEMMs that will run.
+    layouts are made only for the backward GEMMs that will run. ``x_q``: the input
+    already quantized (sequence parallelism gathers it quantized), ``x`` then gives only
+    the output dtype.
     """
-    x_q = call.input_q.quantize(x, rowwise=True, columnwise=need_wgrad)
+    if x_q is None:
+        x_q = call.input_q.quantize(x, rowwise=True, columnwise=need_wgrad)
     w_q = call.replayed_weight
     if w_q is not None and need_dgrad and not w_q.has_columnwise:
         # A recomputation needs a layout the original (no-grad) call did not make: quantize

@@ -111,6 +111,10 @@ class Linear(nn.Linear):
         if region is not None:  # activation checkpointing: record, or replay the original
             frame, replay, record = self._checkpointed(frame, *region)
         if not frame.enabled:
+            if x.__class__ is not torch.Tensor and is_dtensor(x):
+                # QuantizedColwiseParallel leaves a sequence-sharded input to the layer,
+                # which gathers it, in high precision here (as ColwiseParallel would).
+                x = _tensor_parallel().replicated_input(x, weight)
             if frame.calibrating and replay is None:
                 self._calibrate(x, weight, frame)
             return F.linear(x, weight, bias)

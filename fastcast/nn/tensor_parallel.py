@@ -29,7 +29,10 @@ rank quantizes its shard exactly as one process quantizes the whole tensor:
 - ``CustomRecipe``: its quantizers see the local shards as they are.
 
 ``ColwiseParallel`` (weight ``Shard(0)``): input replicated, output ``Shard(-1)``; the
-input gradient is a partial sum that DTensor reduces. ``RowwiseParallel`` (weight
+input gradient is a partial sum that DTensor reduces. A sequence-sharded input (which
+``fastcast.distributed.sequence_parallel.QuantizedColwiseParallel`` hands over as it is)
+is all-gathered in FP8 by ``sequence_parallel`` where it can, else in high precision
+here. ``RowwiseParallel`` (weight
 ``Shard(1)``): input ``Shard(-1)``, the partial products are summed by an all-reduce and
 the (replicated) bias added after it, once.
 
@@ -43,17 +46,13 @@ data-parallel group's shards only.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..distributed.amax import all_reduce_max
-from ..quantizers.nvfp4 import NVFP4Quantizer
-from ..quantizers.rowwise import RowwiseQuantizer
 from ..recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -64,8 +63,9 @@ from ..recipe import (
 )
 from ..runtime.state import AutocastFrame
 from ..schemes import Plan, scheme_for
-from ..tensor import Float8Tensor, NVFP4Tensor
 from .function import LinearFunction, forward_gemm
+from .sequence_parallel import InputGather, input_gather
+from .sharded_quantizers import ShardedNVFP4Quantizer, ShardedRowwiseQuantizer
 
 COLWISE = "colwise"  # weight Shard(0): output features split
 ROWWISE = "rowwise"  # weight Shard(1): input features (the contraction) split
@@ -76,6 +76,7 @@ __all__ = [
     "ShardedRowwiseQuantizer",
     "calibrate",
     "linear_forward",
+    "replicated_input",
     "style_of",
 ]
 
@@ -106,6 +107,17 @@ def style_of(weight: DTensor, module: Any = None) -> str:
     )
 
 
+def replicated_input(x: DTensor, weight: Any) -> DTensor:
+    """A column-parallel layer's input ``x`` all-gathered (high precision) where it is
+    sharded: outside autocast an ``fc.Linear`` is ``F.linear`` on DTensors, and its
+    ``QuantizedColwiseParallel`` hands over a sequence-sharded input as it is."""
+    if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1:
+        return x
+    if tuple(x.placements) == (Replicate(),) or style_of(weight) != COLWISE:
+        return x
+    return x.redistribute(weight.device_mesh, [Replicate()])
+
+
 def linear_forward(
     module: Any,
     x: torch.Tensor,
@@ -123,13 +135,20 @@ def linear_forward(
     style = style_of(weight, module)
     mesh = weight.device_mesh
     replicate = [Replicate()]
+    gather = None
     if style == COLWISE:
         if not isinstance(x, DTensor):  # a plain tensor is taken as the replicated input
             x = DTensor.from_local(x, mesh, replicate, run_check=False)
-        elif tuple(x.placements) != (Replicate(),):  # e.g. sequence-sharded: all-gather
-            x = x.redistribute(mesh, replicate)
-        # Each rank's input gradient is its shard's contribution: a partial sum.
-        x_local = x.to_local(grad_placements=[Partial()])
+        elif tuple(x.placements) != (Replicate(),):  # e.g. sequence-sharded: all-gather,
+            # in FP8 where sequence_parallel can (its GEMMs then take the local slice)
+            gather = input_gather(x, mesh, frame.recipe)
+            if gather is None:
+                x = x.redistribute(mesh, replicate)
+        if gather is not None:
+            x_local = x.to_local()  # its gradient: this rank's slice, reduce-scattered
+        else:
+            # Each rank's input gradient is its shard's contribution: a partial sum.
+            x_local = x.to_local(grad_placements=[Partial()])
     else:
         shard = [Shard(x.dim() - 1)]
         if not isinstance(x, DTensor):  # a plain tensor is taken as the local shard
@@ -152,7 +171,7 @@ def linear_forward(
     if bias is not None and style == COLWISE:
         b_local = bias.to_local() if isinstance(bias, DTensor) else bias
     out = _local_linear(
-        module, x_local, w_local, b_local, frame, style, mesh, first, replay, record
+        module, x_local, w_local, b_local, frame, style, mesh, first, replay, record, gather, x
     )
     if style == COLWISE:
         return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
@@ -193,8 +212,12 @@ def _local_linear(
     first: bool | None,
     replay: Any,
     record: Any,
+    gather: InputGather | None = None,
+    source: DTensor | None = None,
 ) -> torch.Tensor:
-    """The quantized linear of local tensors under the tensor-parallel plan."""
+    """The quantized linear of local tensors under the tensor-parallel plan; with
+    ``gather``, ``x`` is this rank's slice of the sequence-sharded ``source``, which it
+    all-gathers in FP8."""
     if x.numel() == 0:
         return F.linear(x, w, b)
     plan = _plan(module, frame, style, mesh, w)
@@ -203,6 +226,8 @@ def _local_linear(
     )
     call = plan.call(autograd, replay, record)
     cache = module._weight_cache
+    if gather is not None:
+        return gather.linear(source, x, w, b, call, cache, first, autograd)
     if not autograd:
         return forward_gemm(x, w, b, call, cache, first, False, False)[0]
     rows = x.numel() // x.shape[-1]
@@ -322,67 +347,4 @@ def _check_blocks(w: torch.Tensor, style: str, block: int, recipe: Any) -> None:
             f"tensor-parallel dimension, but this rank's shard has {local} {what}; choose "
             f"sizes whose shards are multiples of {block} (so that shard boundaries fall on "
             "block boundaries)"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedRowwiseQuantizer:
-    """``RowwiseQuantizer`` over a shard of a tensor split along a dim its rows span.
-
-    ``reduce_rows``: the row-wise layout's rows (along K, the last dim) are split across
-    ``group``, so each row's amax is max-reduced over it before the scale is made;
-    ``reduce_columns`` likewise for the column-wise layout (rows of ``x.T``). The scales,
-    and so the codes, are those the whole tensor gets from ``RowwiseQuantizer``.
-    """
-
-    base: RowwiseQuantizer
-    group: Any
-    reduce_rows: bool
-    reduce_columns: bool
-
-    @property
-    def fmt(self) -> str:
-        return self.base.fmt
-
-    def quantize(
-        self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
-    ) -> Float8Tensor:
-        reduce = functools.partial(all_reduce_max, group=self.group)
-        return self.base.quantize(
-            x,
-            rowwise=rowwise,
-            columnwise=columnwise,
-            reduce_rows=reduce if self.reduce_rows else None,
-            reduce_columns=reduce if self.reduce_columns else None,
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedNVFP4Quantizer:
-    """``NVFP4Quantizer`` over a shard of a tensor split across ``group``: the FP32
-    tensor scale of each layout (and of the Hadamard-transformed column-wise layout)
-    comes from the amax of the whole tensor, max-reduced over ``group``; the 16-element
-    blocks (and 16x16 tiles) are local, as the shards are multiples of 16. The codes and
-    scales are then those ``NVFP4Quantizer`` gives the whole tensor (stochastic rounding
-    aside: its random draws are the shard's own)."""
-
-    base: NVFP4Quantizer
-    group: Any
-
-    fmt: ClassVar[str] = "e2m1"
-
-    def quantize(
-        self,
-        x: torch.Tensor,
-        *,
-        rowwise: bool = True,
-        columnwise: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> NVFP4Tensor:
-        return self.base.quantize(
-            x,
-            rowwise=rowwise,
-            columnwise=columnwise,
-            generator=generator,
-            reduce_amax=functools.partial(all_reduce_max, group=self.group),
         )

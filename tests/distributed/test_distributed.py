@@ -343,8 +343,8 @@ def test_tensor_parallel_hugging_face_llama(tp, recipe):
 def test_sequence_parallel_matches_single_process(tp, recipe):
     """Sequence-sharded input to the colwise layer and sequence-sharded output of the
     rowwise one: the per-rank losses add up to the single process's, and the parameters
-    after 3 steps agree within FP32 rounding. (The input is all-gathered in high
-    precision; an FP8 all-gather of it is not implemented.)"""
+    after 3 steps agree within FP32 rounding. (torch's ColwiseParallel all-gathers the
+    input in high precision; test_sequence_parallel.py has the FP8 gather.)"""
     ref = tp[0][f"{recipe}.reference"]
     losses = sum(result[f"sp.{recipe}"]["losses"] for result in tp)
     torch.testing.assert_close(losses, ref["losses"], rtol=1e-5, atol=0)
