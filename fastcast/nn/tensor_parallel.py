@@ -33,8 +33,10 @@ input gradient is a partial sum that DTensor reduces. A sequence-sharded input (
 ``fastcast.distributed.sequence_parallel.QuantizedColwiseParallel`` hands over as it is)
 is all-gathered in FP8 by ``sequence_parallel`` where it can, else in high precision
 here. ``RowwiseParallel`` (weight
-``Shard(1)``): input ``Shard(-1)``, the partial products are summed by an all-reduce and
-the (replicated) bias added after it, once.
+``Shard(1)``): input ``Shard(-1)``; the output is the ``Partial`` sum of the ranks'
+products, which the style's output redistribution reduces (an all-reduce for a
+replicated output, a reduce-scatter for sequence parallelism's ``Shard(1)``), or, with a
+bias, the all-reduced sum with the (replicated) bias added after it, once.
 
 FSDP2 x TP (``parallelize_module`` over a 2-D mesh's TP dim, then ``fully_shard`` over its
 data-parallel dim): FSDP2 all-gathers each weight over the data-parallel dim, in high
@@ -175,12 +177,14 @@ def linear_forward(
     )
     if style == COLWISE:
         return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
-    # Partial products over the contraction shards: one all-reduce, then the bias, once.
-    total = DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(
-        mesh, replicate
-    )
+    # Partial products over the contraction shards. Without a bias the sum is left to
+    # the parallel style's output redistribution, which reduces to the layout it wants:
+    # an all-reduce for Replicate, a reduce-scatter (half the bytes) for sequence
+    # parallelism's Shard(1). With one: an all-reduce, then the bias, added once.
+    partial = DTensor.from_local(out, mesh, [Partial()], run_check=False)
     if bias is None:
-        return total
+        return partial
+    total = partial.redistribute(mesh, replicate)
     if not isinstance(bias, DTensor):
         bias = DTensor.from_local(bias, mesh, replicate, run_check=False)
     return total + bias.to(total.dtype)

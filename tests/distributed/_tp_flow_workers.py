@@ -94,6 +94,49 @@ def calibration_without_group() -> str:
     return "not refused"
 
 
+def row_parallel_output(recipe_name: str) -> dict[str, Any]:
+    """A bias-free ``RowwiseParallel`` layer whose output is sequence-sharded
+    (``output_layouts=Shard(1)``) against the same layer's replicated output: the
+    collectives each runs, forward and backward (counted at DTensor's functional
+    collectives), and the outputs."""
+    import torch.distributed._functional_collectives as funcol  # noqa: PLC0415
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module  # noqa: PLC0415
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    recipe = TP_RECIPES[recipe_name]()
+    out: dict[str, Any] = {}
+    for layout in ("replicate", "shard"):
+        torch.manual_seed(7)
+        model = fc.convert(torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False)))
+        placement = Shard(1) if layout == "shard" else Replicate()
+        parallelize_module(model, mesh, {"0": RowwiseParallel(output_layouts=placement)})
+        calls: dict[str, int] = {"all_reduce": 0, "reduce_scatter_single": 0}
+        saved = {name: getattr(funcol, name) for name in calls}
+
+        def counting(name: str) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                calls[name] += 1
+                return saved[name](*args, **kwargs)
+
+            return call
+
+        # The rank's shard of the [2, 32, 256] input (RowwiseParallel's input_layouts).
+        x = (tp_batch(0)[0] * (1 + dist.get_rank())).requires_grad_()
+        for name in calls:
+            setattr(funcol, name, counting(name))
+        try:
+            with fc.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+                y = model(x)
+            y.square().sum().backward()
+        finally:
+            for name, fn in saved.items():
+                setattr(funcol, name, fn)
+        out[layout] = {"y": y.detach().clone(), "calls": calls}
+    return out
+
+
 def section_tp_flows(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for i, name in enumerate(FLOW_RECIPES):
@@ -103,6 +146,8 @@ def section_tp_flows(rank: int, world: int) -> dict[str, Any]:
             out[f"{name}.reference"] = isolated(checkpointed_training, name, "plain", False)
     out["calibrated"] = isolated(calibrated, True)
     out["calibration_without_group"] = isolated(calibration_without_group)
+    for name in ("current", "mxfp8"):
+        out[f"row_output.{name}"] = isolated(row_parallel_output, name)
     if rank == 0:
         out["calibrated.reference"] = isolated(calibrated, False)
     return out

@@ -87,3 +87,17 @@ def test_calibration_without_a_group_is_refused_naming_the_layer(flows):
     for result in flows:
         msg = result["calibration_without_group"]
         assert "fc.Linear '0'" in msg and "amax_reduction_group" in msg, msg
+
+
+@pytest.mark.parametrize("recipe", ["current", "mxfp8"])
+def test_sequence_sharded_row_parallel_output_is_reduce_scattered(flows, recipe):
+    """``RowwiseParallel(output_layouts=Shard(1))`` of a bias-free layer: the partial
+    products are reduce-scattered (half the bytes of the all-reduce the replicated output
+    needs), and each rank's output slice is that of the replicated output, bit for bit."""
+    for rank, result in enumerate(flows):
+        runs = result[f"row_output.{recipe}"]
+        rep, shard = runs["replicate"], runs["shard"]
+        assert rep["calls"] == {"all_reduce": 1, "reduce_scatter_single": 0}
+        assert shard["calls"] == {"all_reduce": 0, "reduce_scatter_single": 1}
+        half = rep["y"].shape[1] // 2
+        assert torch.equal(shard["y"], rep["y"][:, rank * half : (rank + 1) * half])
