@@ -1,0 +1,211 @@
+"""Worker processes for ``test_fsdp_qag_more.py``: FSDP2's quantized all-gather with
+gradient accumulation (``is_first_microbatch``), on 4 ranks, with uneven shards, under
+``torch.compile`` and through DCP (gloo, CPU).
+
+``entry`` is ``_dist_workers.entry`` over this module's sections, which it adds to
+``_dist_workers.SECTIONS`` (a spawned process imports its target's module, so importing
+this one registers them there).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import _dist_workers as base
+import torch
+import torch.distributed as dist
+from _dist_workers import LOCAL_BATCH, _plain, fc_linears, full_params, isolated
+from torch import nn
+
+import fastcast as fc
+
+# Every built-in recipe (NVFP4 without stochastic rounding: its draws are each rank's own).
+RECIPES = {
+    "current": lambda: fc.Float8CurrentScaling(),
+    "delayed": lambda: fc.DelayedScaling(amax_history_len=4),
+    "rowwise": lambda: fc.Float8RowwiseScaling(),
+    "block": lambda: fc.Float8BlockScaling(),
+    "mxfp8": lambda: fc.MXFP8BlockScaling(),
+    "nvfp4": lambda: fc.NVFP4BlockScaling(stochastic_rounding=False),
+}
+# Recipes whose activation scales run along the tokens per rank (row-wise scaling's
+# per-feature column scales, Float8BlockScaling's 128-token tiles, NVFP4's tensor scale):
+# their single-process reference runs each rank's rows as a micro-batch of its own, as
+# data parallelism computes them. The others' reference runs all ranks' rows at once
+# (per-tensor amaxes are reduced over the autocast's group; MXFP8's 32-token blocks end
+# on the ranks' boundaries).
+PER_RANK_REFERENCE = ("rowwise", "block", "nvfp4")
+LR = 0.05
+STEPS = 3
+
+
+def entry(section: str, rank: int, world: int, init_file: str, out_dir: str) -> None:
+    base.entry(section, rank, world, init_file, out_dir)
+
+
+def _mesh() -> Any:
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _shard(model: nn.Module, **kwargs: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    mesh = _mesh()
+    for m in fc_linears(model):
+        fully_shard(m, mesh=mesh, **kwargs)
+    return fully_shard(model, mesh=mesh, **kwargs)
+
+
+class GatherCounter:
+    """Counts ``FSDPFloat8Weight.fsdp_pre_all_gather`` calls (each quantizes a shard for
+    FSDP2's all-gather) and the GEMM operands taken from gathered weights as they are
+    (``fc_quantized`` returning the gathered quantized weight)."""
+
+    def __init__(self) -> None:
+        from fastcast.distributed.fsdp import GATHERED, FSDPFloat8Weight  # noqa: PLC0415
+
+        self.gathers = 0
+        self.direct = 0
+        self._saved: list[tuple[type, str, Any]] = []
+        self._targets = [(FSDPFloat8Weight, "fsdp_pre_all_gather")] + [
+            (cls, "fc_quantized") for cls in GATHERED
+        ]
+
+    def __enter__(self) -> GatherCounter:
+        for cls, name in self._targets:
+            orig = getattr(cls, name)
+            self._saved.append((cls, name, orig))
+            setattr(cls, name, self._wrap(orig, name))
+        return self
+
+    def _wrap(self, orig: Any, name: str) -> Any:
+        @functools.wraps(orig)  # (FSDP2 checks the hook's signature)
+        def wrapped(this: Any, *args: Any, **kwargs: Any) -> Any:
+            out = orig(this, *args, **kwargs)
+            if name == "fsdp_pre_all_gather":
+                self.gathers += 1
+            elif out is not None:
+                self.direct += 1
+            return out
+
+        return wrapped
+
+    def __exit__(self, *exc: Any) -> None:
+        for cls, name, orig in self._saved:
+            setattr(cls, name, orig)
+
+
+# -- 1. gradient accumulation: is_first_microbatch with the quantized gather ---------------
+
+# 2 ranks: 256 rows split into shards of 128, whole blocks of every recipe (128x128 tiles).
+ACC_SIZES = (128, 256, 256)
+MICRO = 2  # micro-batches per step
+
+
+class AccPair(nn.Module):
+    """Two fc.Linear with a ReLU between; ``first`` goes to both as ``is_first_microbatch``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4242)
+        self.a = nn.Linear(ACC_SIZES[0], ACC_SIZES[1])
+        self.b = nn.Linear(ACC_SIZES[1], ACC_SIZES[2])
+
+    def forward(self, x: torch.Tensor, first: bool | None = None) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x, is_first_microbatch=first)), is_first_microbatch=first)
+
+
+def acc_batch(step: int, micro: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``micro`` of step ``step``: ``world`` x 32 tokens, rank r's rows (``r*32``
+    on) scaled by ``4**r`` so that the ranks' amaxes differ."""
+    g = torch.Generator().manual_seed(1000 + 10 * step + micro)
+    x = torch.randn(world * LOCAL_BATCH, ACC_SIZES[0], generator=g)
+    scale = torch.repeat_interleave(4.0 ** torch.arange(world), LOCAL_BATCH).unsqueeze(1)
+    return x * scale, torch.randn(world * LOCAL_BATCH, ACC_SIZES[-1], generator=g)
+
+
+def rows_of(t: torch.Tensor, rank: int) -> torch.Tensor:
+    return t[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
+
+
+# mode -> (quantized_all_gather, reshard_after_forward, keep gathered after backward)
+ACC_MODES = {
+    # FSDP2 keeps the weights gathered for the whole step: one gather, both layouts.
+    "keep": (True, False, True),
+    "keep_hp": (False, False, True),
+    # FSDP2's defaults: every micro-batch gathers in forward and again in backward.
+    "regather": (True, True, False),
+    "regather_hp": (False, True, False),
+    # Gathered again in backward and kept after it: the next micro-batch's forward finds
+    # the weight backward's re-gather left (split layouts: the column-wise one).
+    "after_backward": (True, True, True),
+}
+
+
+def accumulation(name: str, mode: str, rank: int | None, world: int) -> dict[str, Any]:
+    """``STEPS`` SGD steps of ``MICRO`` micro-batches, ``is_first_microbatch`` True for the
+    first and False for the others, gradients accumulated. Sharded (``rank``): FSDP2 as
+    ``ACC_MODES[mode]`` says, gradient sync (``set_requires_gradient_sync``) on the last
+    micro-batch only, each rank its rows. One process (``rank=None``): all ranks' rows of
+    each micro-batch (``PER_RANK_REFERENCE``: each rank's rows as a micro-batch of its
+    own), the flag True only for the step's first call.
+
+    The losses (per micro-batch, summed over the rows at hand over the global count), the
+    parameters after the steps, and per step the gathers (``fsdp_pre_all_gather`` calls)
+    and the GEMMs that took a gathered quantized weight."""
+    recipe = RECIPES[name]()
+    sharded = rank is not None
+    quantized, reshard_fwd, keep_after_bwd = ACC_MODES[mode] if sharded else (False, 0, 0)
+    model = fc.convert(AccPair(), recipe=recipe, quantized_all_gather=quantized)
+    if sharded:
+        model = _shard(model, reshard_after_forward=reshard_fwd)
+    group = dist.group.WORLD if sharded else None
+    # FSDP2 averages the ranks' gradients, one process sums them: lr * world.
+    opt = torch.optim.SGD(model.parameters(), lr=LR * world if sharded else LR)
+    losses, gathers, direct = [], [], []
+    for step in range(STEPS):
+        with GatherCounter() as counter:
+            for i in range(MICRO):
+                x, y = acc_batch(step, i, world)
+                if sharded:
+                    parts = [(rows_of(x, rank), rows_of(y, rank))]
+                    last = i == MICRO - 1
+                    model.set_requires_gradient_sync(last)
+                    if keep_after_bwd:
+                        model.set_reshard_after_backward(last)
+                elif name in PER_RANK_REFERENCE:
+                    parts = [(rows_of(x, r), rows_of(y, r)) for r in range(world)]
+                else:
+                    parts = [(x, y)]
+                for j, (xp, yp) in enumerate(parts):
+                    with fc.autocast(recipe=recipe, amax_reduction_group=group):
+                        out = model(xp, i == 0 and j == 0)
+                    loss = (out - yp).square().sum() / y.numel()
+                    loss.backward()
+                    losses.append(loss.detach())
+        gathers.append(counter.gathers)
+        direct.append(counter.direct)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {
+        "losses": torch.stack(losses).reshape(STEPS, MICRO, -1).sum(-1),
+        "params": _plain(full_params(model)),
+        "gathers": gathers,
+        "direct": direct,
+    }
+
+
+def section_qag_two(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in RECIPES:
+        for mode in ACC_MODES:
+            out[f"{name}.{mode}"] = isolated(accumulation, name, mode, rank, world)
+        if rank == 0:
+            out[f"{name}.reference"] = isolated(accumulation, name, "", None, world)
+    return out
+
+
+base.SECTIONS["qag_two"] = section_qag_two
