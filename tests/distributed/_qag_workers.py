@@ -209,3 +209,129 @@ def section_qag_two(rank: int, world: int) -> dict[str, Any]:
 
 
 base.SECTIONS["qag_two"] = section_qag_two
+
+
+# -- 2. four ranks, every recipe (and 3. uneven shards) -------------------------------------
+
+# 4 ranks: the 512 rows of the first two layers split into shards of 128 (whole blocks of
+# every recipe). The last layer's 6 rows do not split into 4 equal shards (FSDP2: 2, 2, 2
+# and 0 rows, padded): an fc.Linear for the per-tensor recipes (its codes gathered
+# padded), an nn.Linear for the others (fc.convert keeps it: 6 is not a multiple of their
+# blocks; FSDP2 gathers it with the root's parameters, in high precision).
+FOUR_SIZES = (128, 512, 512, 6)
+FOUR_STEPS = 4  # the first STEPS compared; live tensors counted after FOUR_LIVE_AFTER
+FOUR_LIVE_AFTER = (1, 2, 4)
+PER_TENSOR = ("current", "delayed")
+
+
+def make_four_mlp(name: str) -> nn.Sequential:
+    torch.manual_seed(8642)
+    layers: list[nn.Module] = []
+    for i, (n_in, n_out) in enumerate(zip(FOUR_SIZES, FOUR_SIZES[1:])):
+        last = i == len(FOUR_SIZES) - 2
+        linear = fc.Linear if last and name in PER_TENSOR else nn.Linear
+        layers += [linear(n_in, n_out)] + ([] if last else [nn.ReLU()])
+    return nn.Sequential(*layers)
+
+
+def four_batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``world`` x 32 tokens; rank r's rows scaled by ``2**r``."""
+    g = torch.Generator().manual_seed(500 + step)
+    x = torch.randn(world * LOCAL_BATCH, FOUR_SIZES[0], generator=g)
+    scale = torch.repeat_interleave(2.0 ** torch.arange(world), LOCAL_BATCH).unsqueeze(1)
+    return x * scale, torch.randn(world * LOCAL_BATCH, FOUR_SIZES[-1], generator=g)
+
+
+class CallBytes:
+    """Wraps ``dist.all_gather_single`` (FSDP2's all-gather): the bytes each call sends,
+    in call order, under the phase the training loop sets."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[int]] = {}
+        self.phase = "forward"
+        self._orig = dist.all_gather_single
+
+    def __call__(self, output, input, group=None, async_op=False):  # noqa: A002
+        self.calls.setdefault(self.phase, []).append(input.numel() * input.element_size())
+        return self._orig(output, input, group=group, async_op=async_op)
+
+    def __enter__(self) -> CallBytes:
+        dist.all_gather_single = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_gather_single = self._orig
+
+
+def four_run(name: str, quantized: bool, rank: int | None, world: int) -> dict[str, Any]:
+    """SGD on the MLP, every fc.Linear and the root ``fully_shard``-ed over the ranks,
+    each rank its rows (``rank=None``: one process, all rows at once, or each rank's rows
+    as a micro-batch for ``PER_RANK_REFERENCE``, gradients accumulated). The first
+    ``STEPS`` losses (per rank) and first-step gradients, the parameters after ``STEPS``,
+    the bytes of each of the first step's gathers, the live tensors after
+    ``FOUR_LIVE_AFTER`` steps, the warnings, the GEMMs that took a gathered weight."""
+    import warnings  # noqa: PLC0415
+
+    from _dist_workers import _live_storage  # noqa: PLC0415
+
+    recipe = RECIPES[name]()
+    sharded = rank is not None
+    model = fc.convert(make_four_mlp(name), recipe=recipe, quantized_all_gather=quantized)
+    if sharded:
+        model = _shard(model)
+    group = dist.group.WORLD if sharded else None
+    opt = torch.optim.SGD(model.parameters(), lr=LR * world if sharded else LR)
+    res: dict[str, Any] = {"losses": []}
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        CallBytes() as gathers,
+        GatherCounter() as counter,
+    ):
+        warnings.simplefilter("always")
+        for step in range(FOUR_STEPS if sharded else STEPS):
+            x, y = four_batch(step % STEPS, world)
+            gathers.phase = "forward" if step == 0 else "later"
+            if sharded:
+                parts = [(rows_of(x, rank), rows_of(y, rank))]
+            elif name in PER_RANK_REFERENCE:
+                parts = [(rows_of(x, r), rows_of(y, r)) for r in range(world)]
+            else:
+                parts = [(x, y)]
+            losses = []
+            for xp, yp in parts:
+                with fc.autocast(recipe=recipe, amax_reduction_group=group):
+                    loss = (model(xp) - yp).square().sum() / y.numel()
+                if step == 0:
+                    gathers.phase = "backward"
+                loss.backward()
+                losses.append(loss.detach())
+            if step == 0:
+                res["grads"] = {
+                    n: (p.grad.full_tensor() if sharded else p.grad).clone()
+                    for n, p in model.named_parameters()
+                }
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step < STEPS:
+                res["losses"].append(torch.stack(losses).sum())
+            if step == STEPS - 1:
+                res["params"] = _plain(full_params(model))
+            if sharded and quantized and step + 1 in FOUR_LIVE_AFTER:
+                res.setdefault("live", []).append(torch.tensor(_live_storage(res)))
+    res["losses"] = torch.stack(res["losses"])
+    res["bytes"] = {k: v for k, v in gathers.calls.items() if k != "later"}
+    res["direct"] = counter.direct
+    res["warnings"] = [str(w.message) for w in caught if "quantized_all_gather" in str(w.message)]
+    return res
+
+
+def section_qag_four(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for i, name in enumerate(RECIPES):
+        out[f"{name}.q"] = isolated(four_run, name, True, rank, world)
+        if i % world == rank:  # the single-process references, shared out over the ranks
+            out[f"{name}.reference"] = isolated(four_run, name, False, None, world)
+    return out
+
+
+base.SECTIONS["qag_four"] = section_qag_four
