@@ -335,3 +335,53 @@ def section_qag_four(rank: int, world: int) -> dict[str, Any]:
 
 
 base.SECTIONS["qag_four"] = section_qag_four
+
+
+# -- 4. torch.compile of an FSDP2 model with the quantized gather -------------------------------
+
+# (recipe, reshard_after_forward) under FSDP2's default re-gather: block's 128x128 tiles
+# (the "one" layout, whose graph takes the gathered weight) and MXFP8's split layouts.
+# Each compiles graphs of its own (seconds each): two cheap recipes. (Both layouts in one
+# gather, reshard_after_forward=False, also compile to the eager results: not run here.)
+COMPILE_CASES = (("block", True), ("mxfp8", True))
+
+
+def compiled_run(name: str, reshard: bool, compiled: bool, rank: int, world: int) -> dict:
+    """The accumulation test's pair of fc.Linear (shards of whole blocks), FSDP2 with the
+    quantized gather, eager or ``torch.compile``-d, 2 SGD steps: outputs, gradients, the
+    error's text if any, and the autocast state after."""
+    from fastcast.runtime.state import BOTTOM, get_stack  # noqa: PLC0415
+
+    recipe = RECIPES[name]()
+    model = fc.convert(AccPair(), recipe=recipe, quantized_all_gather=True)
+    model = _shard(model, reshard_after_forward=reshard)
+    run = torch.compile(model) if compiled else model
+    opt = torch.optim.SGD(model.parameters(), lr=LR * world)
+    res: dict[str, Any] = {"outs": [], "grads": [], "error": ""}
+    try:
+        for step in range(2):
+            x, y = (rows_of(t, rank) for t in acc_batch(step, 0, world))
+            with fc.autocast(recipe=recipe):
+                out = run(x)
+            (out - y).square().mean().backward()
+            res["outs"].append(out.detach())
+            res["grads"].append([p.grad.full_tensor() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    except Exception as e:  # noqa: BLE001 - the test reads the text
+        res["error"] = f"{type(e).__name__}: {e}"
+    res["autocast_closed"] = get_stack() is BOTTOM
+    return res
+
+
+def section_qag_compile(rank: int, world: int) -> dict[str, Any]:
+    return {
+        f"{name}.{reshard}.{'compiled' if c else 'eager'}": isolated(
+            compiled_run, name, reshard, c, rank, world
+        )
+        for name, reshard in COMPILE_CASES
+        for c in (False, True)
+    }
+
+
+base.SECTIONS["qag_compile"] = section_qag_compile

@@ -196,3 +196,29 @@ def test_four_ranks_no_leak(qag_four, recipe):
         live = result[f"{recipe}.q"]["live"]
         assert len(live) == 3 and torch.equal(live[1], live[2]), (rank, live)
         assert all((v <= live[0]).all() for v in live), (rank, live)
+
+
+# -- 4. torch.compile of an FSDP2 model with the quantized gather --------------------------------
+
+
+@pytest.fixture(scope="module")
+def qag_compile(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn("qag_compile", 2, tmp_path_factory.mktemp("qag_compile"))
+
+
+@pytest.mark.compile
+def test_compiled_fsdp2_with_the_quantized_gather(qag_compile):
+    """``torch.compile`` of an FSDP2 model with the quantized gather, 2 ranks, 2 SGD steps,
+    against eager, bit for bit (outputs and gradients): block's square tiles, whose graph
+    takes the gathered weight, and MXFP8's split layouts (FSDP2's default re-gather),
+    whose graph quantizes the dequantized weight."""
+    for result in qag_compile:
+        for name, reshard in workers.COMPILE_CASES:
+            eager = result[f"{name}.{reshard}.eager"]
+            compiled = result[f"{name}.{reshard}.compiled"]
+            assert eager["error"] == compiled["error"] == "", (name, reshard)
+            assert compiled["autocast_closed"]
+            for a, b in zip(compiled["outs"], eager["outs"], strict=True):
+                assert torch.equal(a, b), (name, reshard)
+            for ga, gb in zip(compiled["grads"], eager["grads"], strict=True):
+                assert all(torch.equal(a, b) for a, b in zip(ga, gb)), (name, reshard)
