@@ -205,6 +205,8 @@ def section_qag_two(rank: int, world: int) -> dict[str, Any]:
             out[f"{name}.{mode}"] = isolated(accumulation, name, mode, rank, world)
         if rank == 0:
             out[f"{name}.reference"] = isolated(accumulation, name, "", None, world)
+    for name in RECIPES:
+        out[f"dcp.{name}"] = isolated(dcp_run, name, rank, world)
     return out
 
 
@@ -385,3 +387,83 @@ def section_qag_compile(rank: int, world: int) -> dict[str, Any]:
 
 
 base.SECTIONS["qag_compile"] = section_qag_compile
+
+
+# -- 5. DCP with the quantized gather ----------------------------------------------------------
+
+DCP_STEPS = 2
+
+
+def _dcp_model(recipe: Any, seed: int) -> nn.Module:
+    model = fc.convert(AccPair(), recipe=recipe, quantized_all_gather=True)
+    if seed:  # other values, so that a load must write them all
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+    return _shard(model)
+
+
+def _train_steps(model: nn.Module, recipe: Any, steps: range, rank: int, world: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=LR * world)
+    for step in steps:
+        x, y = (rows_of(t, rank) for t in acc_batch(step, 0, world))
+        with fc.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+            out = model(x)
+        ((out - y).square().sum() / y.numel()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _eval(model: nn.Module, recipe: Any, group: Any) -> torch.Tensor:
+    x = acc_batch(99, 0, 1)[0]
+    with fc.autocast(recipe=recipe, amax_reduction_group=group), torch.no_grad():
+        return model(x)
+
+
+def dcp_run(name: str, rank: int, world: int) -> dict[str, Any]:
+    """The pair with the quantized gather, trained ``DCP_STEPS`` steps and saved with DCP;
+    loaded into a fresh such model (other values): its parameters, delayed states,
+    forward, and parameters after one more step on both models; rank 0: loaded into one
+    plain unsharded model (converted without a recipe; no process group)."""
+    import os  # noqa: PLC0415
+
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    from _dist_workers import layer_states  # noqa: PLC0415
+
+    import fastcast.dcp  # noqa: PLC0415
+
+    path = os.path.join(os.environ["FASTCAST_TEST_OUT"], f"dcp_{name}")
+    recipe = RECIPES[name]()
+    group = dist.group.WORLD
+    model = _dcp_model(recipe, 0)
+    _train_steps(model, recipe, range(DCP_STEPS), rank, world)
+    sd = model.state_dict()
+    out: dict[str, Any] = {
+        "types": sorted({type(getattr(v, "_local_tensor", v)).__name__ for v in sd.values()}),
+        "params": _plain(full_params(model)),
+        "states": layer_states(model) if name == "delayed" else [],
+    }
+    dcp.save({"model": sd}, checkpoint_id=path)
+    out["forward"] = _eval(model, recipe, group)
+    fresh = _dcp_model(recipe, 1)
+    sd = {"model": fresh.state_dict()}
+    fastcast.dcp.load(sd, checkpoint_id=path)
+    fresh.load_state_dict(sd["model"])
+    out["loaded_params"] = _plain(full_params(fresh))
+    out["loaded_states"] = layer_states(fresh) if name == "delayed" else []
+    out["loaded_forward"] = _eval(fresh, recipe, group)
+    for m in (model, fresh):
+        _train_steps(m, recipe, range(DCP_STEPS, DCP_STEPS + 1), rank, world)
+    out["next_params"] = _plain(full_params(model))
+    out["loaded_next_params"] = _plain(full_params(fresh))
+    dist.barrier()
+    if rank == 0:
+        single = fc.convert(AccPair())
+        sd = {"model": single.state_dict()}
+        fastcast.dcp.load(sd, checkpoint_id=path, no_dist=True)
+        single.load_state_dict(sd["model"])
+        out["single_params"] = full_params(single)
+        out["single_states"] = layer_states(single) if name == "delayed" else []
+        out["single_forward"] = _eval(single, recipe, None)
+    dist.barrier()
+    return out

@@ -37,6 +37,13 @@ def max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(((a[n] - b[n]).norm() / b[n].norm()).item() for n in b)
 
 
+def states_equal(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) > 0 and all(
+        sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+        for sa, sb in zip(a, b)
+    )
+
+
 def assert_same_run(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
     assert torch.equal(a["losses"], b["losses"]), what
     for name, p in b["params"].items():
@@ -222,3 +229,31 @@ def test_compiled_fsdp2_with_the_quantized_gather(qag_compile):
                 assert torch.equal(a, b), (name, reshard)
             for ga, gb in zip(compiled["grads"], eager["grads"], strict=True):
                 assert all(torch.equal(a, b) for a, b in zip(ga, gb)), (name, reshard)
+
+
+# -- 5. DCP with the quantized gather -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", workers.RECIPES)
+def test_dcp_with_the_quantized_gather(qag_two, recipe):
+    """Every recipe: an FSDP2 model with the quantized gather, trained 2 steps on 2 ranks
+    and saved with DCP (its state dict holds plain tensors), loads into a fresh such model
+    (the same parameters and delayed states, the same forward, and the same parameters
+    after one more step, bit for bit) and, in one process, into one plain model
+    converted without a recipe (the same parameters, delayed states and forward)."""
+    for rank, result in enumerate(qag_two):
+        r = result[f"dcp.{recipe}"]
+        assert r["types"] == ["Tensor"], r["types"]
+        for key in ("loaded_params", "next_params"):
+            want = r["params"] if key == "loaded_params" else r["loaded_next_params"]
+            for name, p in want.items():
+                assert torch.equal(r[key][name], p), (rank, key, name)
+        assert torch.equal(r["loaded_forward"], r["forward"]), rank
+        if recipe == "delayed":
+            assert states_equal(r["loaded_states"], r["states"])
+    r = qag_two[0][f"dcp.{recipe}"]
+    for name, p in r["params"].items():
+        assert torch.equal(r["single_params"][name], p), name
+    if recipe == "delayed":
+        assert states_equal(r["single_states"], r["states"])
+    assert torch.equal(r["single_forward"], r["forward"])
