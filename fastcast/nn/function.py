@@ -44,7 +44,8 @@ def forward_gemm(
         w_q = call.weight_q.quantize(weight, rowwise=True, columnwise=True)
     elif w_q is None:
         # A weight FSDP2 gathered in FP8 (fastcast.distributed.fsdp) is used as it is.
-        if weight.__class__ is torch.nn.Parameter or not hasattr(weight, "fc_quantized"):
+        # (Its type's attribute: Dynamo's hasattr on a tensor does not see the method.)
+        if weight.__class__ is torch.nn.Parameter or not hasattr(type(weight), "fc_quantized"):
             w_q = quantize_weight(weight_cache, weight, call.weight_q, first, need_dgrad)
         else:
             w_q = weight.fc_quantized(call.weight_q, need_dgrad)

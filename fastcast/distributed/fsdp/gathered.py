@@ -3,6 +3,7 @@ FSDP2's gathered buffers (``blocks`` says what they hold)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -151,7 +152,16 @@ class GatheredQuantizedWeight(torch.Tensor):
     def fc_quantized(self, quantizer: Any, columnwise: bool) -> QuantizedTensor | None:
         """The GEMM operand when this weight was cast for ``quantizer`` (None otherwise:
         the caller quantizes it, and so sees the dequantized weight)."""
-        return self.quantized(columnwise) if quantizer == self.quantizer else None
+        if quantizer != self.quantizer:
+            return None
+        if self._wire.layout in ("row", "col") and torch.compiler.is_compiling():
+            # Split layouts in a graph: it saves copies of its operands for backward, and
+            # the copy of the column-wise one would hold the NaN scales that backward's
+            # re-gather replaces in the buffers (a "col" forward would gather a layout of
+            # its own). The graph quantizes the dequantized weight instead (from the
+            # layout at hand: MXFP8's E8M0 blocks give the same codes again).
+            return None
+        return self.quantized(columnwise)
 
     def dequantize(self) -> torch.Tensor:
         """The weight the codes stand for (from the layout at hand: no collective)."""
@@ -178,15 +188,24 @@ class GatheredQuantizedWeight(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        # torch.compile deep-copies this context and compares it at every call (a guard):
+        # plain values only. The reduced scales go as inner tensors; the shard and the
+        # process group (a gather of its own, ``_row``) stay out of it.
+        wire = self._wire
         names = [f"_p{i}" for i in range(len(self._parts))]
         for name, part in zip(names, self._parts):
             setattr(self, name, part)
         names += [n for n in ("_row_scales", "_col_scales") if getattr(self, n) is not None]
-        return names, (self._wire, self.dtype)
+        for key, t in wire.replicated.items():
+            setattr(self, f"_r_{key}", t)
+            names.append(f"_r_{key}")
+        plain = dataclasses.replace(wire, replicated={}, source=None, group=None)
+        return names, (plain, tuple(wire.replicated), self.dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: Any, size: Any, stride: Any) -> Any:
-        wire, dtype = meta
+        plain, replicated, dtype = meta
+        wire = dataclasses.replace(plain, replicated={k: inner[f"_r_{k}"] for k in replicated})
         parts = tuple(inner[f"_p{i}"] for i in range(sum(k.startswith("_p") for k in inner)))
         out = GatheredQuantizedWeight(parts[0].device, wire, dtype)
         out._parts = parts
