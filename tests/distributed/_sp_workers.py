@@ -36,7 +36,21 @@ SP_RECIPES = ("current", "delayed")
 # and whose column-wise layout backward gathers (a second quantized gather).
 SP_SCALED = ("rowwise", "mxfp8", "block", "nvfp4")
 SP_ALL = SP_RECIPES + SP_SCALED
+# Variants on the one-layer grid only: NVFP4 with stochastic rounding (the gradient's
+# draws: the same in both gathers, each rank rounding the whole gathered gradient of its
+# output features), 128x128 input tiles, and the high-precision weight gradient (which
+# keeps the high-precision gather).
+SP_VARIANTS = {
+    "nvfp4_sr": lambda: fc.NVFP4BlockScaling(),
+    "block_x2d": lambda: fc.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1),
+    "rowwise_gw_hp": TP_RECIPES["rowwise_gw_hp"],
+}
+SP_LAYER_RECIPES = SP_SCALED + tuple(SP_VARIANTS)
 SP_STEPS = 3
+# The Llama runs: the per-tensor recipes over 16 tokens a sequence, the row-wise and MXFP8
+# ones over 64 (each rank's 32 a multiple of MXFP8's block).
+SP_LLAMA = SP_RECIPES + ("rowwise", "mxfp8")
+SP_LLAMA_SEQ = {"rowwise": 64, "mxfp8": 64}
 # Tokens per sequence: each rank's half a multiple of the recipe's block along the tokens
 # (MXFP8 32, 1x128 blocks 128; NVFP4's 16 and the others take tp_batch's 32).
 SP_SEQ = {"mxfp8": 64, "block": 256}
@@ -128,6 +142,10 @@ def sp_batch(step: int, seq: int = TP_TOKENS // 2) -> tuple[torch.Tensor, torch.
     return x, y
 
 
+def _recipe(name: str) -> Any:
+    return (SP_VARIANTS.get(name) or TP_RECIPES[name])()
+
+
 def _mesh() -> Any:
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
 
@@ -154,7 +172,7 @@ def sp_training(recipe_name: str, quantized: bool, rank: int, world: int) -> dic
         "2": RowwiseParallel(output_layouts=Shard(1)),
     }
     model = parallelize_module(make_tp_mlp(), _mesh(), plan)
-    recipe = TP_RECIPES[recipe_name]()
+    recipe = _recipe(recipe_name)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, grads, x_grad = [], {}, None
     length = SP_SEQ.get(recipe_name, TP_TOKENS // 2)
@@ -198,7 +216,7 @@ def sp_training(recipe_name: str, quantized: bool, rank: int, world: int) -> dic
 def sp_reference(recipe_name: str) -> dict[str, Any]:
     """The same 3 steps in one process, whole sequences (loss: the mean)."""
     model = make_tp_mlp()
-    recipe = TP_RECIPES[recipe_name]()
+    recipe = _recipe(recipe_name)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(SP_STEPS):
@@ -234,10 +252,12 @@ def sp_layer(
     from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415
 
     torch.manual_seed(99)
-    layer = fc.convert(nn.Sequential(nn.Linear(TP_IN, 256 if recipe_name in SP_SCALED else 64)))
+    layer = fc.convert(
+        nn.Sequential(nn.Linear(TP_IN, 256 if recipe_name in SP_LAYER_RECIPES else 64))
+    )
     mesh = _mesh()
     layer = parallelize_module(layer, mesh, {"0": _colwise(quantized)(input_layouts=Shard(dim))})
-    recipe = TP_RECIPES[recipe_name]()
+    recipe = _recipe(recipe_name)
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(shape, generator=g)
     x_local = x.chunk(mesh.size(), dim=dim)[mesh.get_local_rank()].clone().requires_grad_()
@@ -305,6 +325,8 @@ def sp_llama(recipe_name: str, mode: str) -> dict[str, Any]:
     import transformers  # noqa: PLC0415
     from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
 
+    seq = SP_LLAMA_SEQ.get(recipe_name, 16)
+
     config = transformers.LlamaConfig(
         vocab_size=64,
         hidden_size=128,
@@ -312,29 +334,31 @@ def sp_llama(recipe_name: str, mode: str) -> dict[str, Any]:
         num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=32,
+        max_position_embeddings=32 if seq <= 32 else seq,
     )
     torch.manual_seed(77)
     model = fc.convert(transformers.LlamaForCausalLM(config))
     if mode != "single":
         model = _sp_llama_plan(model, _mesh(), mode == "fp8")
-    recipe = TP_RECIPES[recipe_name]()
+    recipe = _recipe(recipe_name)
     group = None if mode == "single" else dist.group.WORLD
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     with GatherBytes() as counter:
         for step in range(SP_STEPS):
-            ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+            ids = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(step))
             counter.on = True
             with fc.autocast(recipe=recipe, amax_reduction_group=group):
                 logits = model(input_ids=ids).logits
             counter.on = False
-            if mode != "single":  # [2, 16, 32] of the vocabulary on each rank
+            if mode != "single":  # [2, seq, 32] of the vocabulary on each rank
                 logits = DTensor.from_local(logits, _mesh(), [Shard(-1)]).full_tensor()
             loss = nn.functional.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1)
             )
+            counter.on = "backward"
             loss.backward()
+            counter.on = False
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
@@ -343,6 +367,7 @@ def sp_llama(recipe_name: str, mode: str) -> dict[str, Any]:
         "params": {n: _full(p) for n, p in model.named_parameters()},
         "bytes": dict(counter.sent),
         "calls": dict(counter.calls),
+        "backward_calls": dict(counter.backward_calls),
     }
 
 
@@ -358,7 +383,7 @@ def section_sp_fp8(rank: int, world: int) -> dict[str, Any]:
         for quantized in (True, False):
             tag = "fp8" if quantized else "hp"
             out[f"layer.{key}.{tag}"] = isolated(sp_layer, "current", shape, dim, quantized)
-    for name in SP_SCALED:
+    for name in SP_LAYER_RECIPES:
         for key, (shape, dim) in SP_SCALED_SHAPES.items():
             for quantized in (True, False):
                 tag = "fp8" if quantized else "hp"
@@ -370,7 +395,7 @@ def section_sp_fp8(rank: int, world: int) -> dict[str, Any]:
             shape, dim = SP_SCALED_SHAPES["b2_s64"] if name in SP_SCALED else SP_SHAPES["b2_s16"]
             run = isolated(sp_layer, name, shape, dim, quantized, True)
             out[f"checkpointed.{name}.{tag}"] = run
-    for i, name in enumerate(SP_RECIPES):
+    for i, name in enumerate(SP_LLAMA):
         for mode in ("fp8", "hp"):
             out[f"llama.{name}.{mode}"] = isolated(sp_llama, name, mode)
         if i % world == rank:  # the single-process runs, shared out over the ranks
