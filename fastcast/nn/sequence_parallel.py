@@ -1,14 +1,17 @@
-"""Sequence parallelism: the FP8 all-gather of a column-parallel layer's input.
+"""Sequence parallelism: the quantized all-gather of a column-parallel layer's input.
 
 With sequence parallelism each rank holds a slice of the tokens (``Shard(1)`` after a
 ``SequenceParallel`` norm, say) and a column-parallel layer needs them all. torch's
 ``ColwiseParallel(input_layouts=Shard(1))`` all-gathers the slices in high precision
 before the layer runs; ``fastcast.distributed.QuantizedColwiseParallel`` hands the layer
 its slice instead (torchao's ``Float8ColwiseParallel`` is the model), and an ``fc.Linear``
-given a sequence-sharded input runs here. Under an enabled ``fc.autocast`` with a
-per-tensor recipe (``Float8CurrentScaling``, ``DelayedScaling``) each rank casts its own
-slice to FP8 with the *global* scale and the group all-gathers the FP8 codes, one
-``uint8`` collective; the forward GEMM takes the gathered operand as it is:
+given a sequence-sharded input runs here. Under an enabled ``fc.autocast`` each rank
+quantizes its own slice's row-wise layout so that its codes and scales are those one
+process gets quantizing the whole input, and the group all-gathers them, one ``uint8``
+collective for codes and scales together; the forward GEMM takes the gathered operand.
+
+Per-tensor recipes (``Float8CurrentScaling``, ``DelayedScaling``): one global scale, so
+only the codes travel:
 
 - ``Float8CurrentScaling``: the slice's amax is max-reduced over the autocast's
   ``amax_reduction_group`` (the tensor-parallel group when none is given), as for any
@@ -17,23 +20,40 @@ slice to FP8 with the *global* scale and the group all-gathers the FP8 codes, on
   and records its slice's amax; the end-of-step reduction over the autocast's group (which
   tensor parallelism requires to contain the TP group) makes it the whole input's amax.
 
-Casting with one scale is elementwise, so the gathered codes are those one process gets
-quantizing the gathered high-precision input: the output, the gradients and the delayed
-histories equal the high-precision gather's bit for bit. Backward: the weight-gradient
-GEMM takes the transposed gathered codes (no second gather); the input gradient (each
-rank's a partial sum over its output features) is reduce-scattered back to the slices in
-the gradient's dtype, by DTensor's ``Partial -> Shard`` redistribution, as the
-high-precision path does. Per-tensor scales need nothing else gathered.
+Casting with one scale is elementwise: the weight-gradient GEMM takes the transposed
+gathered codes (no second gather).
+
+Recipes with scales per token (``Float8RowwiseScaling``: one per token;
+``Float8BlockScaling``: per 1x128 block, or 128x128 tiles with ``x_block_scaling_dim=2``;
+``MXFP8BlockScaling``: per 1x32; ``NVFP4BlockScaling``: per 1x16, with its FP32 tensor
+scale from the amax max-reduced over the group): the row-wise scales are local to a token
+(a tile of 128 tokens with 128x128 tiles) and travel with the codes. The weight gradient
+contracts over the tokens, so its operand, the column-wise layout, scales along them: in
+forward each rank also quantizes its slice column-wise (the row-wise recipe's per-feature
+scales from the column amaxes max-reduced over the group; the blocks along the tokens are
+local where each rank's runs of consecutive tokens are multiples of the block: 128, 32,
+16; NVFP4's Hadamard transform over 16 tokens likewise, its tensor scale reduced) and
+keeps only that, 1/world of the whole operand; backward all-gathers those codes and block
+scales (a second ``uint8`` collective) before the weight-gradient GEMM. NVFP4's stochastic
+rounding applies to the output gradient only, which every rank quantizes over all the
+gathered tokens of its output features, as after the high-precision gather.
+
+Either way the operands are those one process makes of the gathered input: the output,
+the gradients and the delayed histories equal the high-precision gather's bit for bit.
+The input gradient (each rank's a partial sum over its output features) is
+reduce-scattered back to the slices in the gradient's dtype, by DTensor's ``Partial ->
+Shard`` redistribution, as the high-precision path does.
 
 Layers given the same input DTensor (q/k/v, or gate/up, after a ``SequenceParallel`` norm)
-share one gather under current scaling (equal quantizers, the same global scale and
-codes), where torch's style gathers once per layer; delayed scaling's scales are each
-layer's own, so each of its layers gathers.
+share one forward gather where the quantizer depends on the input alone (every recipe but
+``DelayedScaling``, whose scales are each layer's own), where torch's style gathers once
+per layer; backward's column-wise gather is each layer's.
 
 The layer all-gathers the input in high precision itself (DTensor's redistribution: the
-same results as ``ColwiseParallel``'s gather) for every other recipe (row-wise, block,
-MXFP8, NVFP4: their column-wise layouts scale along the tokens, so the weight gradient
-would need a second, column-wise gather; and ``CustomRecipe``); for an input sharded
+same results as ``ColwiseParallel``'s gather) for ``CustomRecipe`` and
+``Float8RowwiseScaling(wgrad_high_precision=True)`` (its weight gradient takes the
+high-precision input); where a rank's runs of consecutive tokens (of the ``[R, K]``
+view) are not multiples of the recipe's block along the tokens; for an input sharded
 unevenly (a sequence length not a multiple of the group size), along the feature dim or
 over more than one mesh dim; for an empty input; and in code ``torch.compile`` traces.
 """
