@@ -1,17 +1,20 @@
 """``QuantizedColwiseParallel``: ``ColwiseParallel`` whose sequence-sharded input an
-``fc.Linear`` all-gathers in FP8.
+``fc.Linear`` all-gathers quantized (FP8 or FP4 codes and their scales).
 
 torch's ``ColwiseParallel(input_layouts=Shard(1))`` all-gathers the input in high
 precision in its forward pre-hook, before the layer runs. This style is the same in
 everything (weight and bias ``Shard(0)``, output ``Shard(-1)`` or ``output_layouts``),
 except that on an ``fc.Linear`` it hands the layer the rank's slice as a ``Shard`` DTensor,
-and the layer gathers it: inside an enabled ``fc.autocast`` with a per-tensor recipe it
-casts the slice to FP8 with the global scale and all-gathers the codes
-(``fastcast.nn.sequence_parallel``, which also lists the inputs it still gathers in high
-precision); anywhere else (another recipe, outside autocast) in high precision, as
+and the layer gathers it: inside an enabled ``fc.autocast`` it quantizes the slice as
+one process quantizes the whole input and all-gathers the codes and scales (per-tensor,
+row-wise, block, MXFP8 and NVFP4 recipes; the weight gradient's column-wise layout is
+gathered again in backward where it scales along the tokens:
+``fastcast.nn.sequence_parallel``, which also lists the inputs it still gathers in high
+precision); anywhere else (``CustomRecipe``, outside autocast) in high precision, as
 ``ColwiseParallel`` does. On another module type it is ``ColwiseParallel``. The results
-are those of ``ColwiseParallel``, bit for bit; only the bytes on the wire differ (a
-quarter of an FP32 gather, half of a BF16 one).
+are those of ``ColwiseParallel``, bit for bit; only the bytes on the wire differ (the
+forward gather: 0.25x of an FP32 gather for per-tensor FP8, 0.258x for the other FP8
+recipes with their scales, 0.14x for NVFP4).
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ __all__ = ["QuantizedColwiseParallel"]
 
 class QuantizedColwiseParallel(ColwiseParallel):
     """``ColwiseParallel`` (same arguments) for ``fc.Linear`` layers with a sequence-sharded
-    input: the all-gather of the input carries FP8 codes under per-tensor recipes
-    (``Float8CurrentScaling``, ``DelayedScaling``); see the module docstring. Use it in a
-    ``parallelize_module`` plan where ``ColwiseParallel(input_layouts=Shard(1))`` would go.
+    input: the all-gather of the input carries quantized codes (and scales) under every
+    built-in recipe but ``Float8RowwiseScaling(wgrad_high_precision=True)``; see the
+    module docstring. Use it in a ``parallelize_module`` plan where
+    ``ColwiseParallel(input_layouts=Shard(1))`` would go.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

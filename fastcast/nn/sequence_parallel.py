@@ -1,14 +1,17 @@
-"""Sequence parallelism: the FP8 all-gather of a column-parallel layer's input.
+"""Sequence parallelism: the quantized all-gather of a column-parallel layer's input.
 
 With sequence parallelism each rank holds a slice of the tokens (``Shard(1)`` after a
 ``SequenceParallel`` norm, say) and a column-parallel layer needs them all. torch's
 ``ColwiseParallel(input_layouts=Shard(1))`` all-gathers the slices in high precision
 before the layer runs; ``fastcast.distributed.QuantizedColwiseParallel`` hands the layer
 its slice instead (torchao's ``Float8ColwiseParallel`` is the model), and an ``fc.Linear``
-given a sequence-sharded input runs here. Under an enabled ``fc.autocast`` with a
-per-tensor recipe (``Float8CurrentScaling``, ``DelayedScaling``) each rank casts its own
-slice to FP8 with the *global* scale and the group all-gathers the FP8 codes, one
-``uint8`` collective; the forward GEMM takes the gathered operand as it is:
+given a sequence-sharded input runs here. Under an enabled ``fc.autocast`` each rank
+quantizes its own slice's row-wise layout so that its codes and scales are those one
+process gets quantizing the whole input, and the group all-gathers them, one ``uint8``
+collective for codes and scales together; the forward GEMM takes the gathered operand.
+
+Per-tensor recipes (``Float8CurrentScaling``, ``DelayedScaling``): one global scale, so
+only the codes travel:
 
 - ``Float8CurrentScaling``: the slice's amax is max-reduced over the autocast's
   ``amax_reduction_group`` (the tensor-parallel group when none is given), as for any
@@ -17,29 +20,47 @@ slice to FP8 with the *global* scale and the group all-gathers the FP8 codes, on
   and records its slice's amax; the end-of-step reduction over the autocast's group (which
   tensor parallelism requires to contain the TP group) makes it the whole input's amax.
 
-Casting with one scale is elementwise, so the gathered codes are those one process gets
-quantizing the gathered high-precision input: the output, the gradients and the delayed
-histories equal the high-precision gather's bit for bit. Backward: the weight-gradient
-GEMM takes the transposed gathered codes (no second gather); the input gradient (each
-rank's a partial sum over its output features) is reduce-scattered back to the slices in
-the gradient's dtype, by DTensor's ``Partial -> Shard`` redistribution, as the
-high-precision path does. Per-tensor scales need nothing else gathered.
+Casting with one scale is elementwise: the weight-gradient GEMM takes the transposed
+gathered codes (no second gather).
+
+Recipes with scales per token (``Float8RowwiseScaling``: one per token;
+``Float8BlockScaling``: per 1x128 block, or 128x128 tiles with ``x_block_scaling_dim=2``;
+``MXFP8BlockScaling``: per 1x32; ``NVFP4BlockScaling``: per 1x16, with its FP32 tensor
+scale from the amax max-reduced over the group): the row-wise scales are local to a token
+(a tile of 128 tokens with 128x128 tiles) and travel with the codes. The weight gradient
+contracts over the tokens, so its operand, the column-wise layout, scales along them: in
+forward each rank also quantizes its slice column-wise (the row-wise recipe's per-feature
+scales from the column amaxes max-reduced over the group; the blocks along the tokens are
+local where each rank's runs of consecutive tokens are multiples of the block: 128, 32,
+16; NVFP4's Hadamard transform over 16 tokens likewise, its tensor scale reduced) and
+keeps only that, 1/world of the whole operand; backward all-gathers those codes and block
+scales (a second ``uint8`` collective) before the weight-gradient GEMM. NVFP4's stochastic
+rounding applies to the output gradient only, which every rank quantizes over all the
+gathered tokens of its output features, as after the high-precision gather.
+
+Either way the operands are those one process makes of the gathered input: the output,
+the gradients and the delayed histories equal the high-precision gather's bit for bit.
+The input gradient (each rank's a partial sum over its output features) is
+reduce-scattered back to the slices in the gradient's dtype, by DTensor's ``Partial ->
+Shard`` redistribution, as the high-precision path does.
 
 Layers given the same input DTensor (q/k/v, or gate/up, after a ``SequenceParallel`` norm)
-share one gather under current scaling (equal quantizers, the same global scale and
-codes), where torch's style gathers once per layer; delayed scaling's scales are each
-layer's own, so each of its layers gathers.
+share one forward gather where the quantizer depends on the input alone (every recipe but
+``DelayedScaling``, whose scales are each layer's own), where torch's style gathers once
+per layer; backward's column-wise gather is each layer's.
 
 The layer all-gathers the input in high precision itself (DTensor's redistribution: the
-same results as ``ColwiseParallel``'s gather) for every other recipe (row-wise, block,
-MXFP8, NVFP4: their column-wise layouts scale along the tokens, so the weight gradient
-would need a second, column-wise gather; and ``CustomRecipe``); for an input sharded
+same results as ``ColwiseParallel``'s gather) for ``CustomRecipe`` and
+``Float8RowwiseScaling(wgrad_high_precision=True)`` (its weight gradient takes the
+high-precision input); where a rank's runs of consecutive tokens (of the ``[R, K]``
+view) are not multiples of the recipe's block along the tokens; for an input sharded
 unevenly (a sequence length not a multiple of the group size), along the feature dim or
 over more than one mesh dim; for an empty input; and in code ``torch.compile`` traces.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -49,22 +70,65 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 
 from ..gemm import operands_product
 from ..quantizers.base import transposed_codes
+from ..quantizers.block import BlockScalingQuantizer
+from ..quantizers.mx import MXFP8Quantizer
+from ..quantizers.nvfp4 import NVFP4Quantizer
 from ..quantizers.tensorwise import CurrentScalingQuantizer
-from ..recipe import DelayedScaling, Float8CurrentScaling
+from ..recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Float8RowwiseScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 from ..reference.cast import as_matrix
-from ..tensor import WHOLE, Float8Tensor
+from ..tensor import WHOLE, QuantizedTensor
 from .function import _restore_tensors, _strip_tensors, forward_gemm
+from .sharded_quantizers import ShardedNVFP4Quantizer, ShardedRowwiseQuantizer
 
-__all__ = ["PER_TENSOR", "GatheredLinear", "InputGather", "input_gather"]
+__all__ = ["PER_TENSOR", "TOKEN_BLOCKS", "GatheredLinear", "InputGather", "input_gather"]
 
 # Recipes whose input is gathered in FP8 (one scale per tensor: nothing but codes to move).
 PER_TENSOR = (Float8CurrentScaling, DelayedScaling)
 
+# The other recipes gathered quantized, with the block their column-wise input layout
+# scales along the tokens: each rank's run of consecutive tokens must be a multiple of it
+# (1: the row-wise recipe's per-feature column scale spans every token, its amaxes are
+# max-reduced over the group instead).
+TOKEN_BLOCKS = {
+    Float8RowwiseScaling: 1,
+    Float8BlockScaling: 128,
+    MXFP8BlockScaling: 32,
+    NVFP4BlockScaling: 16,
+}
+
+# Quantizers that depend on their input alone (value objects): layers given the same
+# input DTensor share one gather.
+_SHAREABLE = (
+    CurrentScalingQuantizer,
+    ShardedRowwiseQuantizer,
+    BlockScalingQuantizer,
+    MXFP8Quantizer,
+    ShardedNVFP4Quantizer,
+)
+
+
+def _token_block(recipe: Any) -> int | None:
+    """What each rank's run of tokens must be a multiple of for ``recipe``'s quantized
+    gather, or None where the input is gathered in high precision."""
+    if isinstance(recipe, PER_TENSOR):
+        return 1
+    if isinstance(recipe, Float8RowwiseScaling) and recipe.wgrad_high_precision:
+        return None  # its wgrad takes the high-precision input: gathered as it is
+    return next((b for t, b in TOKEN_BLOCKS.items() if isinstance(recipe, t)), None)
+
 
 def input_gather(x: DTensor, mesh: Any, recipe: Any) -> InputGather | None:
-    """The FP8 gather of a layer's sequence-sharded input ``x`` under ``recipe``, or None
-    where the high-precision gather runs (see the module docstring)."""
-    if not isinstance(recipe, PER_TENSOR) or len(x.placements) != 1:
+    """The quantized gather of a layer's sequence-sharded input ``x`` under ``recipe``,
+    or None where the high-precision gather runs (see the module docstring)."""
+    block = _token_block(recipe)
+    if block is None or len(x.placements) != 1:
         return None
     if torch.compiler.is_compiling():
         return None
@@ -76,69 +140,153 @@ def input_gather(x: DTensor, mesh: Any, recipe: Any) -> InputGather | None:
     world = mesh.size()
     if dim == ndim - 1 or x.shape[dim] % world:
         return None
-    return InputGather(mesh, world, dim, x.shape)
+    # The rows ([R, K] view) of each rank form runs of this many consecutive tokens.
+    run = x.shape[dim] // world * math.prod(x.shape[dim + 1 : -1])
+    if run % block:
+        return None
+    return InputGather(mesh, world, dim, x.shape, not isinstance(recipe, PER_TENSOR))
 
 
 class InputGather:
-    """The FP8 all-gather of one call's input: ``Shard(dim)`` of ``shape`` over ``mesh``
-    (even slices)."""
+    """The quantized all-gather of one call's input: ``Shard(dim)`` of ``shape`` over
+    ``mesh`` (even slices). ``scaled``: the row-wise layout has scales per token (every
+    recipe but the per-tensor ones), which travel with the codes, and backward gathers
+    the column-wise layout each rank made of its slice."""
 
-    __slots__ = ("mesh", "group", "world", "dim", "shape", "lead")
+    __slots__ = ("mesh", "group", "world", "dim", "shape", "lead", "scaled")
 
-    def __init__(self, mesh: Any, world: int, dim: int, shape: torch.Size) -> None:
+    def __init__(
+        self, mesh: Any, world: int, dim: int, shape: torch.Size, scaled: bool = False
+    ) -> None:
         self.mesh = mesh
         self.group = mesh.get_group()
         self.world = world
         self.dim = dim
         self.shape = shape  # the gathered (global) shape
         self.lead = math.prod(shape[:dim])  # how many slices each rank's tokens form
+        self.scaled = scaled
 
-    def gathered(self, source: DTensor, x: torch.Tensor, quantizer: Any) -> Float8Tensor:
-        """The whole input, quantized by the per-tensor ``quantizer`` (row-wise layout),
-        from ``x``, this rank's slice of ``source``.
+    def slice_quantizer(self, quantizer: Any) -> Any:
+        """``quantizer`` (the plan's, for a replicated input) for a slice of the tokens:
+        the scales spanning the tokens come from the whole input's amaxes, max-reduced over
+        the group (row-wise: the column-wise layout's per-feature scales; NVFP4: the
+        tensor scales). Block scales along the tokens are local (``input_gather``)."""
+        if isinstance(quantizer, ShardedRowwiseQuantizer):
+            return dataclasses.replace(quantizer, group=self.group, reduce_columns=True)
+        if isinstance(quantizer, NVFP4Quantizer):
+            return ShardedNVFP4Quantizer(quantizer, self.group)
+        return quantizer
+
+    def gathered(
+        self, source: DTensor, x: torch.Tensor, quantizer: Any, columnwise: bool = False
+    ) -> tuple[QuantizedTensor, QuantizedTensor | None]:
+        """The whole input, quantized by ``quantizer`` (row-wise layout), from ``x``, this
+        rank's slice of ``source``; with ``columnwise`` (scaled recipes), the column-wise
+        layout of the slice too, as an operand (``[K, tokens of the slice]``) that
+        ``gather_columns`` completes in backward.
 
         Layers given the same input DTensor (q/k/v or gate/up projections after a
-        ``SequenceParallel`` norm) share one gather under current scaling: equal
-        quantizers and the same input give the same global amax, scale and codes. The
-        gather is kept on ``source`` (it goes with it) while ``source`` is unchanged (its
-        version counters). Delayed scaling's scales are each layer's own and change at the
-        end of the step: each layer gathers its own."""
-        shareable = type(quantizer) is CurrentScalingQuantizer
+        ``SequenceParallel`` norm) share one gather where the quantizer depends on its
+        input alone: equal quantizers and the same input give the same codes and scales.
+        The gather is kept on ``source`` (it goes with it) while ``source`` is unchanged
+        (its version counters). Delayed scaling's scales are each layer's own and change
+        at the end of the step: each layer gathers its own."""
+        quantizer = self.slice_quantizer(quantizer)
+        columnwise = columnwise and self.scaled
+        shareable = isinstance(quantizer, _SHAREABLE)
         if shareable:
             versions = (source._version, x._version)
             kept = getattr(source, _SHARED, None)
-            if kept is not None and kept[:3] == (quantizer, self.mesh, versions):
-                return kept[3]
+            if (
+                kept is not None
+                and kept[:3] == (quantizer, self.mesh, versions)
+                and (kept[4] is not None or not columnwise)
+            ):
+                return kept[3], kept[4]
         # (Detached: outside the autograd Function nothing of the cast may be recorded.)
-        local = quantizer.quantize(x.detach(), rowwise=True, columnwise=False)
-        x_q = Float8Tensor.assemble(
-            local.fmt,
-            self.shape,
-            local.dtype,
-            self._all_gather(local.data),
-            local.scale_inv,  # the one global scale, the same on every rank
-            WHOLE,
-            None,
-            None,
-            WHOLE,
-        )
+        local = quantizer.quantize(x.detach(), rowwise=True, columnwise=columnwise)
+        x_q = local._clone_meta()
+        x_q.data_t = x_q.scale_inv_t = None
+        x_q.block_t = WHOLE
+        if hasattr(x_q, "global_scale_inv_t"):  # NVFP4: the column-wise layout's own
+            x_q.global_scale_inv_t, x_q.rht_t = None, None
+        x_q.shape = self.shape
+        # One uint8 collective: the codes and, where they are per token, the scales.
+        parts = [local.data] + ([local.scale_inv] if self.scaled else [])
+        gathered = self._rows(parts)
+        x_q.data = gathered[0]
+        if self.scaled:
+            x_q.scale_inv = gathered[1]
+        x_cols = local.columnwise_operand() if columnwise else None
         if shareable:
-            setattr(source, _SHARED, (quantizer, self.mesh, versions, x_q))
-        return x_q
+            setattr(source, _SHARED, (quantizer, self.mesh, versions, x_q, x_cols))
+        return x_q, x_cols
 
-    def _all_gather(self, codes: torch.Tensor) -> torch.Tensor:
-        """Every rank's codes, one ``uint8`` collective, in the global token order."""
-        if self.world == 1:
-            return codes
-        send = codes.contiguous().view(torch.uint8).view(-1)
+    def gather_columns(self, x_cols: QuantizedTensor) -> QuantizedTensor:
+        """The column-wise operand ``[K, R]`` of the whole input from each rank's
+        ``[K, R/world]`` (``gathered``'s ``x_cols``): codes and block scales, one uint8
+        collective (the row-wise recipe's per-feature scales, the same on every rank, and
+        NVFP4's tensor scale stay as they are)."""
+        out = x_cols._clone_meta()
+        # Row-wise recipe: one scale per feature ([K, 1]) over every token, reduced.
+        gather_scales = x_cols.block != (1, 0)
+        parts = [x_cols.data] + ([x_cols.scale_inv] if gather_scales else [])
+        gathered = self._columns(parts)
+        out.data = gathered[0]
+        if gather_scales:
+            out.scale_inv = gathered[1]
+        k = x_cols.shape[0]
+        out.shape = torch.Size((k, x_cols.shape[1] * self.world))
+        return out
+
+    def _all_gather(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        """Every rank's ``parts`` as bytes, one ``uint8`` collective: ``[world, total]``,
+        and each part's byte count."""
+        chunks = [p.contiguous().view(torch.uint8).reshape(-1) for p in parts]
+        sizes = [c.numel() for c in chunks]
+        send = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         recv = send.new_empty(self.world * send.numel())
         # (torch 2.13 deprecates all_gather_into_tensor for all_gather_single.)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(recv, send, group=self.group)
-        # [world, lead, slice] -> [lead, world, slice]: rank r's slice of each leading
-        # index goes to position r along the sharded dim (a copy only when lead > 1).
-        out = recv.view(self.world, self.lead, -1).transpose(0, 1).reshape(self.shape)
-        return out.view(codes.dtype)
+        return recv.view(self.world, -1), sizes
+
+    def _rows(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Row-major local tensors (the codes shaped like the slice; scales ``[rows, n]``)
+        gathered in the global token order."""
+        if self.world == 1:
+            return parts
+        recv, sizes = self._all_gather(parts)
+        out, offset = [], 0
+        for i, (part, size) in enumerate(zip(parts, sizes)):
+            mine = recv[:, offset : offset + size]
+            offset += size
+            # [world, lead, slice] -> [lead, world, slice]: rank r's slice of each leading
+            # index goes to position r along the sharded dim (a copy unless lead is 1).
+            dim = self.dim if i == 0 else 0
+            shape = list(part.shape)
+            shape[dim] *= self.world
+            joined = mine.reshape(self.world, self.lead, -1).transpose(0, 1)
+            joined = joined.reshape(-1, shape[-1] * part.element_size())
+            out.append(joined.contiguous().view(part.dtype).reshape(shape))
+        return out
+
+    def _columns(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Column-wise local tensors ``[K', R']`` (tokens along the last dim) gathered in
+        the global token order: ``[K', world * R']``."""
+        if self.world == 1:
+            return parts
+        recv, sizes = self._all_gather(parts)
+        out, offset = [], 0
+        for part, size in zip(parts, sizes):
+            mine = recv[:, offset : offset + size]
+            offset += size
+            rows = part.shape[0]
+            # [world, K', lead, run] -> [K', lead, world, run]
+            joined = mine.reshape(self.world, rows, self.lead, -1).permute(1, 2, 0, 3)
+            joined = joined.reshape(rows, -1)
+            out.append(joined.contiguous().view(part.dtype))
+        return out
 
     def linear(
         self,
@@ -153,20 +301,21 @@ class InputGather:
     ) -> torch.Tensor:
         """The layer's local output ``[*shape[:-1], N_local]`` over the gathered tokens:
         ``source`` is the sequence-sharded input, ``x`` this rank's slice of it (as the
-        autograd graph has it), ``call`` a per-tensor recipe's."""
-        x_q = self.gathered(source, x, call.input_q)
+        autograd graph has it), ``call`` the recipe's per-call object."""
+        need_wgrad = autograd and w.requires_grad
+        x_q, x_cols = self.gathered(source, x, call.input_q, need_wgrad)
         if not autograd:
             return forward_gemm(x, w, b, call, cache, first, False, False, x_q=x_q)[0]
-        return GatheredLinear.apply(x, w, b, call, cache, first, x_q, (self.mesh, self.dim))
+        return GatheredLinear.apply(x, w, b, call, cache, first, x_q, x_cols, self)
 
 
 # The attribute of an input DTensor that keeps its gather for the next layer given it.
 _SHARED = "_fc_fp8_gathered"
 
 
-def _with_columnwise(x_q: Float8Tensor) -> Float8Tensor:
-    """``x_q`` with its column-wise layout: per-tensor casts are elementwise, so it is the
-    transposed codes (a view), with the same scale."""
+def _with_columnwise(x_q: QuantizedTensor) -> QuantizedTensor:
+    """A per-tensor ``x_q`` with its column-wise layout: per-tensor casts are elementwise,
+    so it is the transposed codes (a view), with the same scale."""
     out = x_q._clone_meta()
     out.data_t = transposed_codes(as_matrix(x_q.data))
     out.scale_inv_t, out.block_t = x_q.scale_inv, WHOLE
@@ -183,9 +332,11 @@ def _reduce_scatter(dgrad: torch.Tensor, mesh: Any, dim: int) -> torch.Tensor:
 
 class GatheredLinear(torch.autograd.Function):
     """``LinearFunction`` for a sequence slice ``x`` whose whole, quantized and
-    all-gathered, is ``x_q``: backward reduce-scatters the input gradient to the slices
-    (``scatter``: the mesh and the sharded dim). Per-tensor recipes only: every GEMM takes
-    FP8 operands."""
+    all-gathered, is ``x_q``: backward reduce-scatters the input gradient to the slices,
+    and the weight-gradient GEMM takes the whole input's column-wise layout: the
+    transposed gathered codes (per-tensor recipes), or ``x_cols``, this rank's slice's
+    column-wise layout, all-gathered by ``gather`` (the other recipes). Every GEMM takes
+    quantized operands."""
 
     @staticmethod
     def forward(
@@ -196,21 +347,26 @@ class GatheredLinear(torch.autograd.Function):
         call: Any,
         weight_cache: Any,
         first: bool | None,
-        x_q: Float8Tensor,
-        scatter: tuple[Any, int],
+        x_q: QuantizedTensor,
+        x_cols: QuantizedTensor | None,
+        gather: InputGather,
     ) -> torch.Tensor:
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         out, x_q, w_q = forward_gemm(
             x, weight, bias, call, weight_cache, first, need_dgrad, need_wgrad, x_q=x_q
         )
+        if not need_wgrad:
+            x_t = None
+        elif x_cols is not None:  # 1/world of the operand: gathered in backward
+            x_t = x_cols._clone_meta()  # (the shell is stripped; the kept gather is not)
+        else:
+            x_t = _with_columnwise(x_q).columnwise_operand()
         # As LinearFunction: only the column-wise layouts, as tensors saved-tensor hooks see.
-        saved = [
-            _with_columnwise(x_q).columnwise_operand() if need_wgrad else None,
-            w_q.columnwise_operand() if need_dgrad else None,
-        ]
+        saved = [x_t, w_q.columnwise_operand() if need_dgrad else None]
         tensors, ctx.shells = _strip_tensors(saved)
         ctx.save_for_backward(*tensors)
-        ctx.call, ctx.scatter, ctx.shape = call, scatter, x_q.shape
+        ctx.call, ctx.gather, ctx.shape = call, gather, x_q.shape
+        ctx.gather_columns = x_cols is not None
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out
 
@@ -218,7 +374,7 @@ class GatheredLinear(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         x_t, w_t = _restore_tensors(ctx.saved_tensors, ctx.shells)
-        call = ctx.call
+        call, gather = ctx.call, ctx.gather
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         g2d = grad_out.reshape(-1, grad_out.shape[-1])
         dgrad = wgrad = bgrad = None
@@ -226,12 +382,14 @@ class GatheredLinear(torch.autograd.Function):
             g_q = call.grad_q.quantize(g2d, rowwise=need_dgrad, columnwise=need_wgrad)
         if need_dgrad:  # [T, N_local] @ [N_local, K]: a partial sum over output features
             dgrad = operands_product(g_q, w_t, x_dtype).reshape(ctx.shape)
-            dgrad = _reduce_scatter(dgrad, *ctx.scatter)
+            dgrad = _reduce_scatter(dgrad, gather.mesh, gather.dim)
         if need_wgrad:  # [N_local, T] @ [T, K], over every gathered token
+            if ctx.gather_columns:  # the second quantized gather
+                x_t = gather.gather_columns(x_t)
             wgrad = operands_product(g_q.columnwise_operand(), x_t, w_dtype)
         if need_bgrad:
             bgrad = g2d.sum(dim=0, dtype=torch.float32)
             if b_dtype != torch.float32:
                 bgrad = bgrad.to(b_dtype)
         call.backward_done()
-        return dgrad, wgrad, bgrad, None, None, None, None, None
+        return dgrad, wgrad, bgrad, None, None, None, None, None, None

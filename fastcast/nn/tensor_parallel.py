@@ -31,7 +31,7 @@ rank quantizes its shard exactly as one process quantizes the whole tensor:
 ``ColwiseParallel`` (weight ``Shard(0)``): input replicated, output ``Shard(-1)``; the
 input gradient is a partial sum that DTensor reduces. A sequence-sharded input (which
 ``fastcast.distributed.sequence_parallel.QuantizedColwiseParallel`` hands over as it is)
-is all-gathered in FP8 by ``sequence_parallel`` where it can, else in high precision
+is all-gathered quantized by ``sequence_parallel`` where it can, else in high precision
 here. ``RowwiseParallel`` (weight
 ``Shard(1)``): input ``Shard(-1)``; the output is the ``Partial`` sum of the ranks'
 products, which the style's output redistribution reduces (an all-reduce for a
