@@ -124,6 +124,16 @@ MICRO = [
         target=("<= 2x", [2.0]),
     ),
     Row(
+        "... the same in pytest's context, which holds one more context variable "
+        "({test_fc_autocast_in_pytest_context})",
+        ratios=[("test_fc_autocast_in_pytest_context", "test_empty_slots_cm")],
+    ),
+    Row(
+        "... the floor of per-context state: a manager that only sets and resets a "
+        "context variable ({test_contextvar_cm})",
+        ratios=[("test_contextvar_cm", "test_empty_slots_cm")],
+    ),
+    Row(
         "... vs `__slots__` context manager storing the same 4 arguments "
         "({test_slots_cm_storing_args})",
         ratios=[("test_fc_autocast", "test_slots_cm_storing_args")],
@@ -219,7 +229,7 @@ def micro_table(get: Lookup) -> list[str]:
 
 
 # README's few rows: what a user compares first (MICRO's rows, by position).
-HEADLINE_ROWS = (0, 1, 3, 7, 8, 9, 11)
+HEADLINE_ROWS = (0, 1, 2, 5, 9, 10, 11, 13)
 
 
 def headline_table(get: Lookup) -> list[str]:
