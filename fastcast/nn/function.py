@@ -131,11 +131,15 @@ class LinearFunction(torch.autograd.Function):
         elif need_wgrad:
             wgrad = _wgrad_high_precision(g2d, saved[-1], hp_dtype, w_dtype)
         if need_bgrad:
-            bgrad = g2d.sum(dim=0, dtype=torch.float32)
-            if b_dtype != torch.float32:
-                bgrad = bgrad.to(b_dtype)
+            bgrad = bias_grad(g2d, b_dtype)
         call.backward_done()
         return dgrad, wgrad, bgrad, None, None, None
+
+
+def bias_grad(g2d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bias gradient: ``g2d``'s column sums, accumulated in FP32, in ``dtype``."""
+    bgrad = g2d.sum(dim=0, dtype=torch.float32)
+    return bgrad if dtype == torch.float32 else bgrad.to(dtype)
 
 
 def _wgrad_high_precision(

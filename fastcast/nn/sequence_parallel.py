@@ -84,7 +84,7 @@ from ..recipe import (
 )
 from ..reference.cast import as_matrix
 from ..tensor import WHOLE, QuantizedTensor
-from .function import _restore_tensors, _strip_tensors, forward_gemm
+from .function import _restore_tensors, _strip_tensors, bias_grad, forward_gemm
 from .sharded_quantizers import ShardedNVFP4Quantizer, ShardedRowwiseQuantizer
 
 __all__ = ["PER_TENSOR", "TOKEN_BLOCKS", "GatheredLinear", "InputGather", "input_gather"]
@@ -388,8 +388,6 @@ class GatheredLinear(torch.autograd.Function):
                 x_t = gather.gather_columns(x_t)
             wgrad = operands_product(g_q.columnwise_operand(), x_t, w_dtype)
         if need_bgrad:
-            bgrad = g2d.sum(dim=0, dtype=torch.float32)
-            if b_dtype != torch.float32:
-                bgrad = bgrad.to(b_dtype)
+            bgrad = bias_grad(g2d, b_dtype)
         call.backward_done()
         return dgrad, wgrad, bgrad, None, None, None, None, None, None
