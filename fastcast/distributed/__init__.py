@@ -1,6 +1,8 @@
 """fastcast over torch.distributed.
 
 - ``amax``: max-reduction of amaxes over a process group (delayed and current scaling);
+- ``collectives``: the all-gather fastcast runs itself (sequence parallelism's quantized
+  input, the FSDP2 weight layouts gathered outside FSDP2);
 - ``is_dtensor``: whether a weight is sharded by ``parallelize_module`` (what an
   ``fc.Linear`` then runs is ``fastcast.nn.tensor_parallel``: GEMMs on the local shards,
   amaxes reduced over the tensor-parallel group where a scale spans the shards).

@@ -65,9 +65,9 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Shard
 
+from ..distributed.collectives import all_gather_into
 from ..gemm import operands_product
 from ..quantizers.base import transposed_codes
 from ..quantizers.block import BlockScalingQuantizer
@@ -205,11 +205,7 @@ class InputGather:
                 return kept[3], kept[4]
         # (Detached: outside the autograd Function nothing of the cast may be recorded.)
         local = quantizer.quantize(x.detach(), rowwise=True, columnwise=columnwise)
-        x_q = local._clone_meta()
-        x_q.data_t = x_q.scale_inv_t = None
-        x_q.block_t = WHOLE
-        if hasattr(x_q, "global_scale_inv_t"):  # NVFP4: the column-wise layout's own
-            x_q.global_scale_inv_t, x_q.rht_t = None, None
+        x_q = local.rowwise_operand()
         x_q.shape = self.shape
         # One uint8 collective: the codes and, where they are per token, the scales.
         parts = [local.data] + ([local.scale_inv] if self.scaled else [])
@@ -246,9 +242,7 @@ class InputGather:
         sizes = [c.numel() for c in chunks]
         send = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         recv = send.new_empty(self.world * send.numel())
-        # (torch 2.13 deprecates all_gather_into_tensor for all_gather_single.)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(recv, send, group=self.group)
+        all_gather_into(recv, send, self.group)
         return recv.view(self.world, -1), sizes
 
     def _rows(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -206,6 +206,13 @@ class QuantizedTensor:
         clone.shape = torch.Size((k, self.shape.numel() // k if k else 0))
         return clone
 
+    def rowwise_operand(self) -> QuantizedTensor:
+        """The row-wise layout alone (a shallow copy without the column-wise bytes)."""
+        clone = self._clone_meta()
+        clone.data_t = clone.scale_inv_t = None
+        clone.block_t = (0, 0)
+        return clone
+
     def _clone_meta(self) -> QuantizedTensor:
         """A shallow copy (the same inner tensors)."""
         clone = self._with_extras()

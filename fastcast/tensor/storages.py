@@ -129,6 +129,11 @@ class NVFP4Tensor(QuantizedTensor):
         clone.global_scale_inv_t = None
         return clone
 
+    def rowwise_operand(self) -> QuantizedTensor:
+        clone = super().rowwise_operand()
+        clone.global_scale_inv_t, clone.rht_t = None, None
+        return clone
+
     def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
         names, ctx = super().__tensor_flatten__()
         ctx["rht"], ctx["rht_t"] = self.rht, self.rht_t

@@ -55,6 +55,7 @@ from ...runtime.state import optimizer_steps
 from ...schemes import scheme_for
 from ...tensor import NVFP4Tensor
 from ..amax import all_reduce_max
+from ..collectives import all_gather_into
 
 BLOCK_RECIPES = (Float8RowwiseScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)
 
@@ -289,12 +290,10 @@ def gather_own(wire: Wire, layout: str) -> tuple[torch.Tensor, ...]:
         wire.source, wire.quantizer, layout, wire.group, wire.shape, wire.param_dtype
     )
     world = weight_world(wire.group)
-    # (FSDP2's own collective; torch 2.13 deprecates all_gather_into_tensor for it.)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     outputs = []
     for t in inputs:
         out = t.new_empty((world * t.shape[0], *t.shape[1:]))
-        gather(out, t.contiguous(), group=wire.group)
+        all_gather_into(out, t.contiguous(), wire.group)
         outputs.append(out)
     own.source, own.group, own.param_dtype = wire.source, wire.group, wire.param_dtype
     return tuple(outputs), own
