@@ -1,4 +1,4 @@
-"""Spawning gloo ranks for the distributed tests: one function both test files use."""
+"""Spawning gloo ranks for the distributed tests: what every distributed test file uses."""
 
 from __future__ import annotations
 
@@ -10,7 +10,18 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Every distributed test file's marks: ``pytest -m distributed`` selects them, and they
+# skip where torch has no gloo backend.
+DISTRIBUTED_MARKS = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()),
+        reason="torch.distributed with the gloo backend is not available",
+    ),
+]
 
 
 def spawn_ranks(
@@ -23,7 +34,16 @@ def spawn_ranks(
 ) -> list[dict[str, Any]]:
     """Run ``entry(section, rank, world, init_file, out_dir)`` on ``world`` spawned ranks
     (``env`` added to their environment) and return their results, by rank. Ranks still
-    running after ``timeout`` seconds are killed; a failure shows every rank's traceback."""
+    running after ``timeout`` seconds are killed; a failure shows every rank's traceback.
+
+    The fused kernels are built (or found) here, once, rather than in each cold worker; a
+    machine that cannot build them runs the reference in the workers."""
+    from fastcast.kernels import build  # noqa: PLC0415
+
+    try:
+        build.load()
+    except build.BuildError:
+        pass
     ctx = mp.get_context("spawn")
     env = env or {}
     saved = {k: os.environ.get(k) for k in env}
@@ -69,3 +89,10 @@ def spawn_ranks(
     return [
         torch.load(out_dir / f"{section}_rank{rank}.pt", weights_only=True) for rank in range(world)
     ]
+
+
+def share(results: list[dict[str, Any]], suffix: str = ".reference") -> list[dict[str, Any]]:
+    """Each rank's results with every rank's entries whose key ends with ``suffix`` (the
+    single-process runs the ranks shared out among themselves)."""
+    shared = {k: v for r in results for k, v in r.items() if k.endswith(suffix)}
+    return [{**r, **shared} for r in results]

@@ -23,16 +23,9 @@ from typing import Any
 import _dist_workers as workers
 import pytest
 import torch
-import torch.distributed as dist
-from _spawn import spawn_ranks
+from _spawn import DISTRIBUTED_MARKS, share, spawn_ranks
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.skipif(
-        not (dist.is_available() and dist.is_gloo_available()),
-        reason="torch.distributed with the gloo backend is not available",
-    ),
-]
+pytestmark = DISTRIBUTED_MARKS
 
 WORLD = 2
 HARD_TIMEOUT = 120.0  # seconds for a whole spawn; a healthy one takes a few
@@ -234,10 +227,7 @@ def test_fsdp2_inplace_op_after_fc_linear(fsdp2):
 
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    results = spawn("tp", tmp_path_factory.mktemp("tp"))
-    # Each rank ran some of the single-process references: gather them on both.
-    refs = {k: v for r in results for k, v in r.items() if k.endswith(".reference")}
-    return [{**r, **refs} for r in results]
+    return share(spawn("tp", tmp_path_factory.mktemp("tp")))
 
 
 # Recipes whose every scale is the one a single process computes (amaxes reduced over the
@@ -357,10 +347,6 @@ def test_sequence_parallel_matches_single_process(tp, recipe):
 
 @pytest.fixture(scope="module")
 def fsdp_fp8(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    # Build the fused kernels here, once, rather than in each cold worker.
-    from fastcast.kernels import build  # noqa: PLC0415
-
-    build.load()
     return spawn("fsdp_fp8", tmp_path_factory.mktemp("fsdp_fp8"))
 
 
@@ -532,9 +518,6 @@ def test_fsdp_fp8_all_gather_variants(fsdp_fp8, recipe, variant):
 
 @pytest.fixture(scope="module")
 def fsdp_fp8_compile(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from fastcast.kernels import build  # noqa: PLC0415
-
-    build.load()
     return spawn("fsdp_fp8_compile", tmp_path_factory.mktemp("fsdp_fp8_compile"))
 
 
@@ -557,9 +540,6 @@ def test_fsdp_fp8_all_gather_compiled(fsdp_fp8_compile):
 
 @pytest.fixture(scope="module")
 def fsdp_qag(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from fastcast.kernels import build  # noqa: PLC0415
-
-    build.load()
     return spawn("fsdp_qag", tmp_path_factory.mktemp("fsdp_qag"))
 
 

@@ -11,24 +11,14 @@ from typing import Any
 import _qag_workers as workers
 import pytest
 import torch
-import torch.distributed as dist
-from _spawn import spawn_ranks
+from _spawn import DISTRIBUTED_MARKS, share, spawn_ranks
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.skipif(
-        not (dist.is_available() and dist.is_gloo_available()),
-        reason="torch.distributed with the gloo backend is not available",
-    ),
-]
+pytestmark = DISTRIBUTED_MARKS
 
 HARD_TIMEOUT = 240.0  # seconds for a whole spawn; a healthy one takes well under a minute
 
 
 def spawn(section: str, world: int, out_dir: Path) -> list[dict[str, Any]]:
-    from fastcast.kernels import build  # noqa: PLC0415
-
-    build.load()  # the fused kernels built once here, not in each cold worker
     return spawn_ranks(workers.entry, section, world, out_dir, HARD_TIMEOUT)
 
 
@@ -119,10 +109,7 @@ def test_accumulation_forward_after_the_backward_regather(qag_two, recipe):
 
 @pytest.fixture(scope="module")
 def qag_four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    results = spawn("qag_four", 4, tmp_path_factory.mktemp("qag_four"))
-    # Each rank ran some of the single-process references: hand them to every rank.
-    refs = {k: v for r in results for k, v in r.items() if k.endswith(".reference")}
-    return [{**r, **refs} for r in results]
+    return share(spawn("qag_four", 4, tmp_path_factory.mktemp("qag_four")))
 
 
 # The quantized gathers of each recipe (forward, backward alike) against the FP32 gather's.

@@ -13,16 +13,9 @@ from typing import Any
 import _mesh_workers as workers
 import pytest
 import torch
-import torch.distributed as dist
-from _spawn import spawn_ranks
+from _spawn import DISTRIBUTED_MARKS, share, spawn_ranks
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.skipif(
-        not (dist.is_available() and dist.is_gloo_available()),
-        reason="torch.distributed with the gloo backend is not available",
-    ),
-]
+pytestmark = DISTRIBUTED_MARKS
 
 HARD_TIMEOUT = 240.0  # seconds for a whole spawn; a healthy one takes well under a minute
 
@@ -40,9 +33,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory, checkpoints: Path) -> list[dict[str, Any]]:
-    from fastcast.kernels import build  # noqa: PLC0415
-
-    build.load()  # the fused kernels built once here, not in each cold worker
     env = {"FASTCAST_MESH_CKPT": str(checkpoints)}
     return spawn("mesh_save", 2, tmp_path_factory.mktemp("mesh_save"), env)
 
@@ -52,10 +42,7 @@ def mesh2d(
     tmp_path_factory: pytest.TempPathFactory, checkpoints: Path, saved: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     env = {"FASTCAST_MESH_CKPT": str(checkpoints)}
-    results = spawn("mesh2d", 4, tmp_path_factory.mktemp("mesh2d"), env)
-    # Each rank ran some of the single-process references: hand them to every rank.
-    refs = {k: v for r in results for k, v in r.items() if k.endswith(".reference")}
-    return [{**r, **refs} for r in results]
+    return share(spawn("mesh2d", 4, tmp_path_factory.mktemp("mesh2d"), env))
 
 
 def max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -221,9 +208,6 @@ def test_fsdp2_kept_weight_dropped_when_the_weight_changes(saved, recipe):
 
 @pytest.fixture(scope="module")
 def mesh_compile(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from fastcast.kernels import build  # noqa: PLC0415
-
-    build.load()
     return spawn("mesh_compile", 2, tmp_path_factory.mktemp("mesh_compile"), {})
 
 

@@ -13,16 +13,9 @@ from typing import Any
 import _sp_workers as workers
 import pytest
 import torch
-import torch.distributed as dist
-from _spawn import spawn_ranks
+from _spawn import DISTRIBUTED_MARKS, share, spawn_ranks
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.skipif(
-        not (dist.is_available() and dist.is_gloo_available()),
-        reason="torch.distributed with the gloo backend is not available",
-    ),
-]
+pytestmark = DISTRIBUTED_MARKS
 
 WORLD = 2
 HARD_TIMEOUT = 120.0  # seconds for the whole spawn; a healthy one takes a few
@@ -30,15 +23,8 @@ HARD_TIMEOUT = 120.0  # seconds for the whole spawn; a healthy one takes a few
 
 @pytest.fixture(scope="module")
 def sp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    # Build the fused kernels here, once, rather than in each cold worker.
-    from fastcast.kernels import build  # noqa: PLC0415
-
-    build.load()
     out_dir = tmp_path_factory.mktemp("sp_fp8")
-    results = spawn_ranks(workers.entry, "sp_fp8", WORLD, out_dir, HARD_TIMEOUT)
-    # Each rank ran some of the single-process Llama runs: give them to both.
-    singles = {k: v for r in results for k, v in r.items() if k.endswith(".single")}
-    return [{**r, **singles} for r in results]
+    return share(spawn_ranks(workers.entry, "sp_fp8", WORLD, out_dir, HARD_TIMEOUT), ".single")
 
 
 def assert_equal(a: Any, b: Any, what: str) -> None:

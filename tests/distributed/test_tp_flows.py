@@ -10,26 +10,15 @@ from typing import Any
 import _tp_flow_workers as workers
 import pytest
 import torch
-import torch.distributed as dist
-from _spawn import spawn_ranks
+from _spawn import DISTRIBUTED_MARKS, share, spawn_ranks
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.skipif(
-        not (dist.is_available() and dist.is_gloo_available()),
-        reason="torch.distributed with the gloo backend is not available",
-    ),
-]
+pytestmark = DISTRIBUTED_MARKS
 
 
 @pytest.fixture(scope="module")
 def flows(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from fastcast.kernels import build  # noqa: PLC0415
-
-    build.load()  # the fused kernels built once here, not in each cold worker
-    results = spawn_ranks(workers.entry, "tp_flows", 2, tmp_path_factory.mktemp("tp_flows"), 240)
-    refs = {k: v for r in results for k, v in r.items() if k.endswith(".reference")}
-    return [{**r, **refs} for r in results]
+    out_dir = tmp_path_factory.mktemp("tp_flows")
+    return share(spawn_ranks(workers.entry, "tp_flows", 2, out_dir, 240))
 
 
 def max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
