@@ -464,15 +464,20 @@ def test_entry_points_dispatch_like_the_registered_operators(op):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    rows=st.sampled_from([1, 2, 5]),
-    cols=st.integers(1, 6),
+    # Windows and widths on both sides of the operator's 64-element stride, the default
+    # window (1024) among them.
+    rows=st.sampled_from([1, 2, 5, 67, 1024]),
+    cols=st.integers(1, 70),
+    every_column_ran=st.booleans(),
     fmt=st.sampled_from(["e4m3", "e5m2"]),
     margin=st.sampled_from([0, 1, 3]),
     algo=st.sampled_from(["max", "most_recent"]),
     seed=st.integers(0, 2**16),
 )
-@example(rows=3, cols=2, fmt="e4m3", margin=0, algo="max", seed=0)
-def test_fused_delayed_update_equals_reference(op, rows, cols, fmt, margin, algo, seed):
+@example(rows=3, cols=2, every_column_ran=False, fmt="e4m3", margin=0, algo="max", seed=0)
+def test_fused_delayed_update_equals_reference(
+    op, rows, cols, every_column_ran, fmt, margin, algo, seed
+):
     """A slab's update (new scales, rolled history, row 0 zeroed) is one fused operator
     on the CPU with the reference's values bit for bit: columns that recorded nothing,
     amaxes of zero, tiny, huge and non-finite windows, every margin and window rule."""
@@ -481,6 +486,8 @@ def test_fused_delayed_update_equals_reference(op, rows, cols, fmt, margin, algo
         10.0, torch.randint(-44, 39, (rows, cols), generator=gen).float()
     )
     history[torch.rand(rows, cols, generator=gen) < 0.3] = 0.0
+    if every_column_ran:
+        history[0] = torch.rand(cols, generator=gen) + 0.5
     if seed % 5 == 0:
         history[-1, 0] = float("inf") if seed % 2 else float("nan")
     scale = torch.rand(cols, generator=gen) * 100 + 1e-3
@@ -510,6 +517,15 @@ def test_fused_delayed_update_equals_reference(op, rows, cols, fmt, margin, algo
             assert got[1][j].view(torch.float32).item() == pytest.approx(expect, rel=2**-23)
         elif history[0, j] <= 0 or math.isnan(history[0, j]):
             assert got[1][j] == scale[j : j + 1].view(torch.int32)
+    # The window: a column that recorded moves up one row, its amax entering last;
+    # the others keep theirs; row 0 restarts at zero.
+    new = got[0].view(torch.float32)
+    ran = history[0] > 0
+    assert torch.equal(new[0], torch.zeros(cols))
+    if rows > 1:
+        moved = torch.cat([history[2:], history[:1]])
+        expect = torch.where(ran, moved, history[1:])
+        assert torch.equal(new[1:].view(torch.int32), expect.view(torch.int32))
 
 
 def test_delayed_update_operator_schema_and_fake(op):
