@@ -8,6 +8,13 @@ outermost autocast's exit runs it: mark the forward slab pending, then
 ``DelayedState.end(FORWARD)`` of the thread's own owner (reduce nothing without a process
 group, compute the new scales from the amax window, roll the history).
 
+``test_update`` times it with no amax recorded since the last update (a slab updated in
+a step none of its modules ran in): nothing moves, and the cost is the fixed one, Python
+calls and one operator. ``test_update_recorded`` sets a fresh amax in every column before
+each update (one ``fill_``), as a training step's quantizers leave them: every column
+takes a new scale from its 1024-row window and rolls, so the time grows with
+N x amax_history_len, at most linearly.
+
 Each test runs on a registry of its own (the thread's registry is swapped out and put
 back afterwards): equal recipes share one slab, so with a shared registry the modules
 of an earlier test would stay columns of a later test's slab. Like ``bench_linear``, the
@@ -45,10 +52,12 @@ FEATURES = 16
 SIZES = [1, 10, 100, 400]
 
 GROUP = "delayed-update"
+GROUP_RECORDED = "delayed-update-recorded"
 
 # The design target is O(1) Python calls in N (the update is one batched set of tensor
-# operations per slab); the time ratio is shown too, and on CPU it grows with the
-# history's size (N x amax_history_len elements), as any batched update must.
+# operations per slab). The times: with nothing recorded the update reads row 0 only;
+# after a step it reads and rolls the whole window, so its time may grow with the
+# history's size (400x the elements), not faster.
 TARGETS = [
     (
         GROUP,
@@ -63,7 +72,14 @@ TARGETS = [
         "test_update[400]",
         "test_update[1]",
         20.0,
-        "delayed update time, 400 modules / 1 module (history 1024 x 800 vs 1024 x 2)",
+        "delayed update time, nothing recorded, 400 modules / 1 module",
+    ),
+    (
+        GROUP_RECORDED,
+        "test_update_recorded[400]",
+        "test_update_recorded[1]",
+        400.0,
+        "delayed update time after a step, 400 modules / 1 module (history 1024 x 800 vs 1024 x 2)",
     ),
 ]
 
@@ -101,37 +117,49 @@ def count_calls(fn: Callable[[], object]) -> tuple[int, int]:
     return counts["call"] - 1, counts["c_call"] - 1
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_update(benchmark, own_registry, n):
+def _time_update(benchmark, registry: DelayedState, n: int, recorded: bool) -> None:
+    """Time the forward update of ``n`` modules' slab; with ``recorded`` every column
+    holds a fresh amax before each update (a training step), else none does."""
     modules = [fc.Linear(FEATURES, FEATURES) for _ in range(n)]
     x = torch.randn(FEATURES, FEATURES)
     with torch.no_grad(), fc.autocast(recipe=fc.DelayedScaling()):
         for module in modules:
             module(x)
 
-    registry = own_registry
     forward_slabs = [s for (_, d, _), s in registry.slabs.items() if d == FORWARD]
     assert [s.scale.numel() for s in forward_slabs] == [2 * n]  # input and weight columns
     slab = forward_slabs[0]
     mark, end = registry.mark, registry.end
+    amaxes = slab.history[0]  # (the slab is not rebuilt while the test runs)
 
     def update():
+        if recorded:
+            amaxes.fill_(1.0)  # what the modules' quantizers record in a step
         mark(slab, FORWARD)
         end(FORWARD)
 
     def loop():
         for _ in range(INNER):
-            mark(slab, FORWARD)
-            end(FORWARD)
+            update()
 
     update()
     python_calls, c_calls = count_calls(update)
-    benchmark.group = GROUP
+    benchmark.group = GROUP_RECORDED if recorded else GROUP
     benchmark.extra_info["inner"] = INNER
     benchmark.extra_info["modules"] = n
     benchmark.extra_info["python_calls"] = python_calls
     benchmark.extra_info["c_calls"] = c_calls
     benchmark(loop)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_update(benchmark, own_registry, n):
+    _time_update(benchmark, own_registry, n, recorded=False)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_update_recorded(benchmark, own_registry, n):
+    _time_update(benchmark, own_registry, n, recorded=True)
 
 
 class _CountOps(TorchDispatchMode):
