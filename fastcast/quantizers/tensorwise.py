@@ -125,11 +125,11 @@ class DelayedScalingQuantizer:
     """Scale from the amax history of earlier steps; records this tensor's amax.
 
     ``meta`` is a ``delayed.ScalingMeta`` (or any object with ``scale_views`` and
-    ``amax_slots`` lists of one-element tensors); ``index`` is this role's column. The
-    quantizer reads the scale the last update produced and max-accumulates this call's
-    amax into the slot, so a module called twice in a step keeps the larger amax. The
-    views are looked up per call because the registry re-points them when it grows.
-    It holds live state, so it keeps identity semantics.
+    ``amax_slots`` lists of one-element FP32 tensors, all on one device); ``index`` is
+    this role's column. The quantizer reads the scale the last update produced and
+    max-accumulates this call's amax into the slot, so a module called twice in a step
+    keeps the larger amax. The views are looked up per call because the registry
+    re-points them when it grows. It holds live state, so it keeps identity semantics.
     """
 
     __slots__ = ("meta", "index", "fmt", "recording")
@@ -154,7 +154,9 @@ class DelayedScalingQuantizer:
         scale = self.scale
         if self.recording:
             slot = self.meta.amax_slots[self.index]
-            op = _scalar_op("quantize_recording", x, scale, slot)
+            # The views are one-element FP32 tensors, the slot on the scale's device: only
+            # the scale's side of the CPU/GPU divide needs a look per call.
+            op = fused_op("quantize_recording", x) if scale.is_cpu == x.is_cpu else None
             if op is not None:  # one pass over x
                 data, scale_inv = op(x, scale, slot, FP8_DTYPES[self.fmt])
                 return _float8(x, self.fmt, data, scale_inv, rowwise, columnwise)
@@ -195,5 +197,3 @@ def record_amax(slot: torch.Tensor, x: torch.Tensor) -> None:
         op(slot, x)
         return
     record_amax_reference(slot, x)
-
-

@@ -65,7 +65,11 @@ class AutocastFrame:
             while node is not None and node[0] is not self:
                 node = node[1]
             below = node[1] if node is not None else None
-        return not any(f.active for f in frames(below))
+        while below is not None:  # (a loop, not any(): this runs on every exit)
+            if below[0].active:
+                return False
+            below = below[1]
+        return True
 
     def key(self) -> tuple:
         """This frame's autocast key: ``(recipe, group id)``; computed once per frame."""

@@ -102,6 +102,12 @@ class DelayedState:
         # Taken first: an update that raises must not leave these to raise again forever.
         pending = set(self.pending[direction])
         self.pending[direction].clear()
+        if len(pending) < 2 and not self.compiled and _no_group(groups):
+            # The usual eager step: at most one slab to update, so no order to keep, and
+            # no group of the step's whose slabs must join in without having recorded.
+            for slab in pending:
+                slab.update()
+            return
         for (_, slab_direction, _), slab in self.slabs.items():
             if slab_direction != direction:
                 continue
@@ -137,8 +143,10 @@ class DelayedState:
             self.backward_task = torch._C._current_graph_task_id()
             self.backward_groups = []
             Variable._execution_engine.queue_callback(self._backward_finished)
-        if not any(group is g for g in self.backward_groups):
-            self.backward_groups.append(group)
+        for known in self.backward_groups:
+            if known is group:
+                return
+        self.backward_groups.append(group)
 
     def watch_backward(self, tensor: torch.Tensor) -> None:
         """Have every backward pass that computes ``tensor``'s gradient end the step.
@@ -162,6 +170,14 @@ class DelayedState:
         self.backward_task = None
         self.backward_groups = []
         self.end(BACKWARD, groups)
+
+
+def _no_group(groups: tuple[Any, ...]) -> bool:
+    """Whether ``groups`` holds no process group (a loop, for the per-step hot path)."""
+    for group in groups:
+        if group is not None:
+            return False
+    return True
 
 
 class DelayedThreadState:

@@ -267,6 +267,7 @@ class Slab:
         "members",
         "lost_members",
         "owner",
+        "formula",
     )
 
     @_normal_tensors
@@ -279,6 +280,15 @@ class Slab:
         self.owner: Any = None  # the owner state that made it (owners.py: DelayedState)
         self.history = torch.zeros(recipe.amax_history_len, 0, device=device)
         self.scale = torch.ones(0, device=device)
+        # The fused update's constants (target, floor, least scale, most_recent) under
+        # fastcast's own formula, fixed with the (frozen) recipe; None under a custom one.
+        self.formula: tuple[float, float, float, bool] | None = None
+        algo = recipe.amax_compute_algo
+        if recipe.scaling_factor_compute_algo is None and isinstance(algo, str):
+            fmt_max = ELEMENT_MAX[fmt]
+            target = fmt_max / 2.0**recipe.margin
+            least = min_scale(fmt_max, False) if recipe.margin else 0.0
+            self.formula = (target, target / FP32_MAX, least, algo == "most_recent")
 
     def live_members(self) -> list[ScalingMeta]:
         return [m for m in (ref() for ref in self.members) if m is not None]
@@ -329,7 +339,7 @@ class Slab:
         """
         if self.lost_members and self.group is None:
             self._rebuild(self.live_members())
-        if self.scale.numel() == 0:
+        if not self.members:
             return
         recipe = self.recipe
         history = self.history
@@ -337,22 +347,20 @@ class Slab:
             from ...distributed import all_reduce_max  # noqa: PLC0415 - only with a group
 
             all_reduce_max(history[0], self.group)
-        algo = recipe.amax_compute_algo
-        fmt_max = ELEMENT_MAX[self.fmt]
-        if recipe.scaling_factor_compute_algo is None and isinstance(algo, str):
+        if self.formula is not None:
             # fastcast's formula: one fused operator where there is one (CPU), else the
             # same in a dozen tensor operations. (A slab's tensors are contiguous: made by
             # torch.zeros/ones or torch.cat, never replaced by views.)
             op = fused_op("delayed_update", history)
             if op is not None:
-                target = fmt_max / 2.0**recipe.margin
-                least = min_scale(fmt_max, False) if recipe.margin else 0.0
-                op(history, self.scale, target, target / FP32_MAX, least, algo == "most_recent")
+                op(history, self.scale, *self.formula)
             else:
                 delayed_update_reference(
-                    history, self.scale, fmt_max, recipe.margin, algo == "most_recent"
+                    history, self.scale, ELEMENT_MAX[self.fmt], recipe.margin, self.formula[3]
                 )
             return
+        algo = recipe.amax_compute_algo
+        fmt_max = ELEMENT_MAX[self.fmt]
         if algo == "max":
             amax = history.amax(dim=0)
         elif algo == "most_recent":
