@@ -46,6 +46,21 @@ def max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(((a[n] - b[n]).norm() / b[n].norm()).item() for n in b)
 
 
+def llama_runs_agree(result: dict[str, Any], recipe: str) -> tuple[dict, dict]:
+    """One rank's Llama runs under ``recipe``, ``(fp8 gather, high-precision gather)``,
+    after checking that they train bit for bit alike, the FP8 one within FP32 rounding of
+    one process, and that the high-precision plan gathers once per column-parallel layer
+    and step."""
+    fp8, hp = result[f"llama.{recipe}.fp8"], result[f"llama.{recipe}.hp"]
+    single = result[f"llama.{recipe}.single"]
+    assert_equal(fp8["losses"], hp["losses"], "losses")
+    assert_equal(fp8["params"], hp["params"], "params")
+    torch.testing.assert_close(fp8["losses"], single["losses"], rtol=1e-5, atol=0)
+    assert max_rel(fp8["params"], single["params"]) < 1e-5
+    assert hp["calls"]["high_precision"] == 6 * workers.SP_STEPS
+    return fp8, hp
+
+
 @pytest.mark.parametrize("recipe", workers.SP_ALL)
 def test_fp8_gather_matches_high_precision_gather_bit_for_bit(sp, recipe):
     """The quantized gather moves the codes and scales the high-precision gather's input
@@ -187,13 +202,7 @@ def test_fp8_gather_hugging_face_llama(sp, recipe):
     (6, 0.25x)."""
     shared = recipe == "current"
     for result in sp:
-        fp8, hp = result[f"llama.{recipe}.fp8"], result[f"llama.{recipe}.hp"]
-        single = result[f"llama.{recipe}.single"]
-        assert_equal(fp8["losses"], hp["losses"], "losses")
-        assert_equal(fp8["params"], hp["params"], "params")
-        torch.testing.assert_close(fp8["losses"], single["losses"], rtol=1e-5, atol=0)
-        assert max_rel(fp8["params"], single["params"]) < 1e-5
-        assert hp["calls"]["high_precision"] == 6 * workers.SP_STEPS
+        fp8, hp = llama_runs_agree(result, recipe)
         assert fp8["calls"]["high_precision"] == 0
         assert fp8["calls"]["uint8"] == (3 if shared else 6) * workers.SP_STEPS
         ratio = fp8["bytes"]["uint8"] / hp["bytes"]["high_precision"]
@@ -209,13 +218,7 @@ def test_scaled_gather_hugging_face_llama(sp, recipe):
     plan's 6 move 512: 0.129x its bytes); each of the 6 column-parallel layers gathers
     the column-wise layout of its input in backward."""
     for result in sp:
-        fp8, hp = result[f"llama.{recipe}.fp8"], result[f"llama.{recipe}.hp"]
-        single = result[f"llama.{recipe}.single"]
-        assert_equal(fp8["losses"], hp["losses"], "losses")
-        assert_equal(fp8["params"], hp["params"], "params")
-        torch.testing.assert_close(fp8["losses"], single["losses"], rtol=1e-5, atol=0)
-        assert max_rel(fp8["params"], single["params"]) < 1e-5
-        assert hp["calls"]["high_precision"] == 6 * workers.SP_STEPS
+        fp8, hp = llama_runs_agree(result, recipe)
         assert hp["backward_calls"]["uint8"] == 0
         assert fp8["calls"] == {"uint8": 3 * workers.SP_STEPS, "high_precision": 0}
         assert fp8["backward_calls"]["uint8"] == 6 * workers.SP_STEPS
