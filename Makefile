@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BENCH_TOOLS := $(VENV)/.bench
 COMPARE := $(VENV)/.compare
 
-.PHONY: kernels bench bench-check bench-sample bench-compare readme profile nsys test test-slow lint clean
+.PHONY: kernels bench bench-check bench-sample bench-compare readme profile nsys test test-slow lint clean gpu-check
 
 $(STAMP): pyproject.toml setup.py fastcast/runtime/_native.c
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +73,13 @@ profile: $(BENCH_TOOLS) kernels
 # Nsight Systems trace with NVTX ranges and its per-range table (needs nsys and a GPU).
 nsys: $(BENCH_TOOLS)
 	PYTHON=$(PY) bash profiles/nsys.sh
+
+# Everything fastcast must prove on a GPU (bench/gpu_check.py), with the machine's own
+# CUDA torch (this .venv holds a CPU build): results in GPU_CHECK_OUT, within
+# GPU_CHECK_BUDGET seconds. Without a GPU it prints what it would run and exits 0.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	$(GPU_PYTHON) -m bench.gpu_check
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check fastcast tests bench
