@@ -18,6 +18,8 @@ from .profiling import annotate
 from .runtime import hardware
 from .tensor import WHOLE, QuantizedTensor
 
+BLOCK = 128  # the 1x128 / 128x128 tiles' edge
+
 BACKENDS = ("hardware", "emulate")
 
 
@@ -149,7 +151,13 @@ def _fits_cuda_kernel(a: QuantizedTensor, b: QuantizedTensor) -> bool:
     """Shape and format limits of the CUDA FP8 kernels (the CPU kernel has none)."""
     k, n = a.shape[-1], b.shape[0]
     both_e5m2 = a.fmt == "e5m2" and b.fmt == "e5m2"
-    return k % 16 == 0 and n % 16 == 0 and not both_e5m2
+    fits = k % 16 == 0 and n % 16 == 0 and not both_e5m2
+    if fits and a.block[1] == BLOCK:
+        # Whole 128-element tiles along K, and whole 128-row tiles for 128x128 operands
+        # (cuBLASLt's block-scaled GEMM has no partial tiles).
+        m = a.data.numel() // k
+        fits = k % BLOCK == 0 and m % a.block[0] == 0 and n % b.block[0] == 0 and m % 16 == 0
+    return fits
 
 
 def _scaled_mm_hardware(
@@ -182,6 +190,8 @@ def _scaled_mm_hardware(
         dtype = out_dtype if direct else torch.float32
         if b.fmt != "e4m3" or not hardware.cuda_rowwise_output(dtype):
             return _scaled_mm_emulated(a, b, out_dtype, bias, accumulate)
+    if a.block[1] == BLOCK and a2.is_cuda:
+        return _scaled_mm_blocks(a, b, a2, b2, out_dtype, bias, accumulate)
     per_tensor = a.block == b.block == WHOLE
     fused = fused_op("scaled_mm_tensorwise", a2) if per_tensor else None
     if fused is not None:  # the same values, without the CPU kernel's separate passes
@@ -203,6 +213,50 @@ def _scaled_mm_hardware(
         out_dtype=out_dtype if direct else torch.float32,
     )
     return _finish(out, out_dtype, None if fuse_bias else bias, accumulate)
+
+
+def _scaled_mm_blocks(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    a2: torch.Tensor,
+    b2: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    accumulate: torch.Tensor | None,
+) -> torch.Tensor:
+    """1x128 / 128x128 tiles on the GPU's block-scaled kernel (``F.scaled_mm``), which
+    writes bfloat16; a bias or an accumulation needs the FP32 product, which it does not
+    write, so those products are emulated (never rounded through bfloat16)."""
+    if accumulate is not None or bias is not None or not hardware.cuda_block_output(out_dtype):
+        return _scaled_mm_emulated(a, b, out_dtype, bias, accumulate)
+    functional = torch.nn.functional
+    return functional.scaled_mm(
+        a2,
+        b2.t(),
+        _kernel_tile_scales(a),
+        _tile_recipe(a),
+        _kernel_tile_scales(b),
+        _tile_recipe(b),
+        output_dtype=out_dtype,
+    )
+
+
+def _tile_recipe(q: QuantizedTensor) -> object:
+    scaling = torch.nn.functional.ScalingType
+    return scaling.BlockWise1x128 if q.block[0] == 1 else scaling.BlockWise128x128
+
+
+def _kernel_tile_scales(q: QuantizedTensor) -> torch.Tensor:
+    """An operand's tile scales in the layout cuBLASLt reads (torch's meta checks say
+    which): 1x128 scales ``[rows, K/128]`` column-major; 128x128 scales transposed to
+    ``[K/128 padded to 4, rows/128]``, column-major."""
+    scales = q.scale_inv
+    if q.block[0] == 1:
+        return scales.t().contiguous().t()
+    pad = -scales.shape[1] % 4
+    if pad:
+        scales = torch.nn.functional.pad(scales, (0, pad))
+    return scales.contiguous().t()
 
 
 def _scaled_mm_emulated(

@@ -48,8 +48,12 @@ def register_cuda_guard() -> None:
 
     build = Path.home() / ".cache" / "fastcast" / f"fake-cuda-guard-{torch.__version__}"
     build.mkdir(parents=True, exist_ok=True)
-    load("fastcast_fake_cuda_guard", [str(_GUARD_SOURCE)], build_directory=str(build),
-         is_python_module=False)
+    load(
+        "fastcast_fake_cuda_guard",
+        [str(_GUARD_SOURCE)],
+        build_directory=str(build),
+        is_python_module=False,
+    )
     _guard_loaded = True
 
 
@@ -79,6 +83,18 @@ class _Recorder(TorchDispatchMode):
                     "scale_a": (tuple(scale_a.shape), scale_a.dtype),
                     "scale_b": (tuple(scale_b.shape), scale_b.dtype),
                     "out_dtype": kwargs.get("out_dtype", args[6] if len(args) > 6 else None),
+                }
+            )
+        elif func is torch.ops.aten._scaled_mm_v2.default:  # F.scaled_mm (block scales)
+            a, b, scales_a, recipe_a, _, scales_b, recipe_b = args[:7]
+            self.launches.scaled_mm.append(
+                {
+                    "a": (tuple(a.shape), a.dtype),
+                    "b": (tuple(b.shape), b.dtype, tuple(b.stride())),
+                    "scale_a": (tuple(scales_a[0].shape), scales_a[0].dtype),
+                    "scale_b": (tuple(scales_b[0].shape), scales_b[0].dtype),
+                    "recipes": [list(recipe_a), list(recipe_b)],
+                    "out_dtype": args[9] if len(args) > 9 else kwargs.get("out_dtype"),
                 }
             )
         elif func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):

@@ -8,8 +8,9 @@ The GEMM backend for each scaling family is one of:
 ``FASTCAST_GEMM`` (``auto`` | ``hardware`` | ``emulate``) overrides the choice. Under
 ``auto`` the CPU emulates what it has no kernel for, and per-row scaling (its kernel is
 slower than the emulation); a CUDA device must have FP8 tensor
-cores (compute capability 8.9+), and emulates, with a warning, the block-scaled families
-whose tensor-core path fastcast does not drive yet (1x128/128x128, MXFP8, NVFP4).
+cores (compute capability 8.9+); it runs 1x128/128x128 block scaling on sm90's kernels
+(``cuda_block_families``) and emulates, with a warning, the block-scaled families whose
+tensor-core path fastcast does not drive there (MXFP8, NVFP4; 1x128 off sm90).
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ GEMM_MODES = ("auto", "hardware", "emulate")
 
 # Lowest CUDA compute capability with FP8 tensor cores.
 CUDA_FP8_CAPABILITY = (8, 9)
-# Families fastcast drives torch._scaled_mm for, on CPU and on CUDA (8.9+). The
-# block-scaled kernels need scale layouts (swizzles) that are not validated on hardware
-# here yet, so those families run emulated rather than risk silently wrong GEMMs.
+# Families fastcast drives torch._scaled_mm for, on CPU and on CUDA (8.9+); the
+# block-scaled ones that also have a kernel on the GPU are ``cuda_block_families``.
 _KERNEL_FAMILIES = (TENSORWISE, ROWWISE)
 # Families the CPU emulates under ``auto`` although torch._scaled_mm takes them there:
 # its per-row path is 2.4x slower than dequantize + matmul (256x512 @ 512x128, one
@@ -56,15 +56,38 @@ def cuda_capability() -> tuple[int, int] | None:
 
 
 def has_kernel(device_type: str, family: str) -> bool:
-    """Whether ``torch._scaled_mm`` has a kernel for this family on this device type."""
-    if family not in _KERNEL_FAMILIES:
-        return False
+    """Whether torch has a scaled GEMM kernel for this family on this device type."""
     if device_type == "cpu":
-        return True
+        return family in _KERNEL_FAMILIES
     if device_type == "cuda":
         cap = cuda_capability()
-        return cap is not None and cap >= CUDA_FP8_CAPABILITY
+        if cap is None or cap < CUDA_FP8_CAPABILITY:
+            return False
+        return family in _KERNEL_FAMILIES or family in cuda_block_families()
     return False
+
+
+def _cuda_version() -> tuple[int, ...]:
+    return tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+
+
+@functools.cache
+def cuda_block_families() -> tuple[str, ...]:
+    """The block-scaled families whose GEMM torch runs on this GPU: 1x128/128x128 tiles
+    on sm90 through ``torch.nn.functional.scaled_mm`` (torch 2.10+) over cuBLASLt 12.9+
+    (``aten/src/ATen/native/cuda/ScaledBlas.cpp``). MXFP8 and NVFP4 (sm100) are not
+    driven yet: emulated, with a warning."""
+    cap = cuda_capability()
+    if cap is None or not hasattr(torch.nn.functional, "scaled_mm"):
+        return ()
+    return (BLOCKWISE,) if cap[0] == 9 and _cuda_version() >= (12, 9) else ()
+
+
+def cuda_block_output(dtype: torch.dtype) -> bool:
+    """Whether the 1x128/128x128 kernel writes ``dtype``: bfloat16 (cuBLASLt's
+    block-scaled FP8 GEMMs write 16-bit outputs); other products are emulated rather
+    than rounded through bfloat16."""
+    return dtype == torch.bfloat16
 
 
 @functools.cache
@@ -78,8 +101,7 @@ def cuda_rowwise_output(dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.bfloat16:
         return True
-    version = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
-    return cap[0] == 9 and version >= (12, 9)
+    return cap[0] == 9 and _cuda_version() >= (12, 9)
 
 
 @functools.cache
@@ -102,9 +124,12 @@ def _backend(device_type: str, family: str, mode: str) -> tuple[str | None, str]
                 f"FP8 needs a GPU of compute capability 8.9 or newer, this is "
                 f"{_describe(device_type)}; set FASTCAST_GEMM=emulate to run it emulated"
             )
+        why = "fastcast drives no block-scaled kernel of this family here"
+        if family == BLOCKWISE and not hasattr(torch.nn.functional, "scaled_mm"):
+            why = f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (2.10+)"
         warnings.warn(
             f"fastcast: {family} GEMMs run emulated (dequantize + matmul) on "
-            f"{_describe(device_type)}; only per-tensor and per-row FP8 use tensor cores",
+            f"{_describe(device_type)}: {why}",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -148,7 +173,7 @@ def refresh() -> None:
     so that a changed ``FASTCAST_GEMM`` or ``FASTCAST_KERNELS`` takes effect: the GEMM
     backends here, the quantize implementations (``kernels.choice``) and the caches
     derived from them (``on_refresh``). The one refresh there is."""
-    for fn in (gemm_mode, cuda_capability, cuda_rowwise_output, _backend):
+    for fn in (gemm_mode, cuda_capability, cuda_rowwise_output, cuda_block_families, _backend):
         fn.cache_clear()
     _kernel_choice.refresh()
     for hook in _refresh_hooks:

@@ -42,12 +42,14 @@ OPERATORS = {
 }
 
 
-def tensor_core_gemms(name: str, capability: tuple[int, int], dtype: torch.dtype,
-                      cuda: str = "12.9") -> int:
+def tensor_core_gemms(
+    name: str, capability: tuple[int, int], dtype: torch.dtype, cuda: str = "12.9"
+) -> int:
     """How many of the layer's three GEMMs should run on FP8 tensor cores, from what the
     kernels support (not from fastcast's code): per-tensor FP8 on sm89+; per-row FP8 with
-    a bf16 output on sm89+, any float output on sm90 with cuBLAS 12.9+; the block-scaled
-    families are emulated (fastcast does not drive their kernels yet)."""
+    a bf16 output on sm89+, any float output on sm90 with cuBLAS 12.9+; 1x128/128x128
+    tiles on sm90 (below); MXFP8 and NVFP4 are emulated (fastcast does not drive their
+    sm100 kernels yet)."""
     if capability < SM89:
         return 0
     if name in ("delayed", "current"):
@@ -56,6 +58,11 @@ def tensor_core_gemms(name: str, capability: tuple[int, int], dtype: torch.dtype
         fp32_ok = capability[0] == 9 and tuple(map(int, cuda.split("."))) >= (12, 9)
         gemms = 2 if name == "rowwise_hp_wgrad" else 3
         return gemms if dtype == torch.bfloat16 or fp32_ok else 0
+    if name == "block" and capability == SM90 and dtype == torch.bfloat16:
+        # cuBLASLt's 1x128/128x128 kernel (sm90, CUDA 12.9+) writes bf16, with no bias
+        # and whole tiles: in linear_fwd_bwd's layer only the dgrad (the forward has a
+        # bias, the weight gradient contracts 64 tokens, half a tile).
+        return 1
     return 0
 
 
@@ -102,6 +109,10 @@ def test_linear_forward_backward_on_fake_cuda(name, capability, dtype):
         assert b_stride[0] == 1  # b is column-major, as cuBLASLt wants b.T row-major
         if name.startswith("rowwise"):
             assert call["scale_a"][0] == (m[0], 1) and call["scale_b"][0] == (1, nn_[1])
+        elif name == "block":  # 1x128 tiles of a; b's 128x128 tiles, K blocks padded to 4
+            k_tiles = m[1] // 128
+            assert call["scale_a"][0] == (m[0], k_tiles)
+            assert call["scale_b"][0] == (-(-k_tiles // 4) * 4, nn_[1] // 128)
         else:
             assert call["scale_a"][0] in ((), (1,)) and call["scale_b"][0] in ((), (1,))
     # Quantization ran the compiled CUDA operators, each of this family's, and no step
@@ -141,9 +152,36 @@ def test_no_grad_forward_on_fake_cuda(name):
     assert len(launched.scaled_mm) <= 1 and launched.host_syncs == []
 
 
+@pytest.mark.parametrize("capability", [SM89, SM90, SM100], ids=["sm89", "sm90", "sm100"])
+def test_block_scaling_runs_the_tile_kernel_on_sm90(capability):
+    """A bias-free bf16 layer with whole 128-tiles (256 tokens): on sm90 all three GEMMs
+    run cuBLASLt's 1x128/128x128 kernel (forward and dgrad 1x128 x 128x128, wgrad 1x128
+    x 1x128), with scales torch's meta checks accept; elsewhere, or with torch's older
+    CUDA, none does (emulated)."""
+
+    def body(cuda_version):
+        with simulated_cuda(capability, cuda_version=cuda_version) as launched:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the emulation's warning off sm90
+                linear_fwd_bwd(fc.Float8BlockScaling(), torch.bfloat16, tokens=256, bias=False)
+        return launched
+
+    launched = on_fresh_thread(body, "12.9")
+    if capability != SM90:
+        assert launched.scaled_mm == []
+        return
+    recipes = [call["recipes"] for call in launched.scaled_mm]
+    scaling = torch.nn.functional.ScalingType
+    tile, square = scaling.BlockWise1x128.value, scaling.BlockWise128x128.value
+    assert sorted(recipes) == sorted([[[tile], [square]], [[tile], [square]], [[tile], [tile]]])
+    assert all(call["out_dtype"] == torch.bfloat16 for call in launched.scaled_mm)
+    assert on_fresh_thread(body, "12.8").scaled_mm == []  # cuBLASLt before 12.9
+
+
 def test_unaligned_features_fall_back_to_the_emulation():
     """The FP8 kernels need K and N multiples of 16: other shapes run emulated, same
     outputs' shapes and dtypes."""
+
     def body():
         with simulated_cuda(SM90) as launched:
             layer, x, y = linear_fwd_bwd(fc.Float8CurrentScaling(), torch.bfloat16, k=120, n=200)
@@ -160,8 +198,9 @@ def test_torch_autocast_bf16_output_on_fake_cuda():
     with simulated_cuda(SM90) as launched:
         layer = fake_parameters(fc.Linear(128, 256, bias=False))
         x = torch.empty(64, 128, device="cuda", requires_grad=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16), fc.autocast(
-            recipe=fc.Float8CurrentScaling()
+        with (
+            torch.autocast("cuda", dtype=torch.bfloat16),
+            fc.autocast(recipe=fc.Float8CurrentScaling()),
         ):
             y = layer(x)
         assert y.dtype == torch.bfloat16

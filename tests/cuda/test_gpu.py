@@ -95,6 +95,30 @@ def test_per_row_gemms_on_tensor_cores(recipe, out_dtype):
             )
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not hardware.has_kernel("cuda", "blockwise"),
+    reason="needs sm90 with torch 2.10+ (F.scaled_mm) and cuBLASLt 12.9+",
+)
+@pytest.mark.parametrize("use_f32_scales", [False, True])
+def test_tile_gemms_on_tensor_cores(use_f32_scales):
+    """1x128 x 128x128 (forward, dgrad) and 1x128 x 1x128 (wgrad) on cuBLASLt's kernel:
+    equal to the emulation and to the float64 product of the dequantized operands, to
+    bf16 rounding."""
+    torch.manual_seed(4)
+    recipe = fc.Float8BlockScaling(use_f32_scales=use_f32_scales)
+    x = fc.quantize(torch.randn(256, 512, device="cuda"), recipe, "input", columnwise=True)
+    w = fc.quantize(torch.randn(384, 512, device="cuda") / 8, recipe, "weight", columnwise=True)
+    g = fc.quantize(torch.randn(256, 384, device="cuda"), recipe, "grad_output", columnwise=True)
+    for a, b in ((x, w), (g, w.t()), (g.columnwise_operand(), x.columnwise_operand())):
+        ref = _reference(a, b)
+        hw = fc.scaled_mm(a, b, out_dtype=torch.bfloat16, backend="hardware")
+        em = fc.scaled_mm(a, b, out_dtype=torch.bfloat16, backend="emulate")
+        assert hw.dtype == torch.bfloat16
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(hw.double(), ref, rtol=2.0**-7, atol=2.0**-7 * scale)
+        torch.testing.assert_close(hw, em, rtol=2.0**-7, atol=2.0**-7 * scale)
+
+
 @pytest.mark.parametrize(
     "recipe",
     [
