@@ -102,6 +102,13 @@ def run_pytest(part: str, out: Path, timeout: float, smoke: bool) -> dict:
             status = f"timed out after {timeout:.0f} s"
     text = log.read_text(errors="replace")
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", text)}
+    if not counts:  # stopped before its summary: count the progress characters
+        progress = "".join(re.findall(r"^([.FsExX]+)(?:\s+\[\s*\d+%\])?$", text, flags=re.M))
+        names = {".": "passed", "F": "failed", "s": "skipped", "E": "errors", "x": "xfailed"}
+        for char, name in names.items():
+            if progress.count(char):
+                counts[name] = progress.count(char)
+        counts["incomplete"] = 1
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, flags=re.M)
     return {
         "command": " ".join(args[1:]),
@@ -148,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     out = output_dir()
     (out / "sections.jsonl").unlink(missing_ok=True)
     only = set(filter(None, args.only.split(",")))
+    groups = [(tuple(p for p in parts if not only or p in only), share) for parts, share in GROUPS]
+    groups = [(parts, share) for parts, share in groups if parts]
+    total_share = sum(share for _, share in groups)
     deadline = time.monotonic() + budget
-    for parts, share in GROUPS:
-        parts = tuple(p for p in parts if not only or p in only)
-        if not parts:
-            continue
+    for parts, share in groups:
+        share /= total_share  # the budget shared among the parts that run
         left = deadline - time.monotonic()
         # The last group (the suite) takes whatever is left; the others their share,
         # or less when earlier groups overran.
