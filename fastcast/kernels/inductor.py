@@ -19,6 +19,9 @@ are those of the C++ GEMM (which only saves passes).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +40,8 @@ _FORMATS = {dtype: fmt for fmt, dtype in FP8_DTYPES.items()}
 # A run quantizes with a handful; Dynamo's default of 8 per function would make the
 # ninth an error (fullgraph). The limit is per wrapper (isolate_recompiles).
 RECOMPILE_LIMIT = 64
+# torch.compile takes the limit per function from torch 2.12 on (users run 2.9+).
+_PER_FUNCTION_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
 
 
 def quantize_tensorwise(
@@ -128,18 +133,25 @@ def ops() -> dict[str, Callable[..., Any]]:
 
 
 def _compile(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    graphs = torch.compile(
-        fn,
-        dynamic=True,
-        fullgraph=True,
-        recompile_limit=RECOMPILE_LIMIT,
-        isolate_recompiles=True,
-    )
+    if _PER_FUNCTION_LIMIT:
+        graphs = torch.compile(
+            fn,
+            dynamic=True,
+            fullgraph=True,
+            recompile_limit=RECOMPILE_LIMIT,
+            isolate_recompiles=True,
+        )
+        limit: Any = contextlib.nullcontext
+    else:
+        # torch before 2.12 takes the limit from Dynamo's config only: raised for these
+        # calls (each a code object of its own), not for the user's compiled code.
+        graphs = torch.compile(fn, dynamic=True, fullgraph=True)
+        limit = functools.partial(torch._dynamo.config.patch, recompile_limit=RECOMPILE_LIMIT)
 
     def call(*args: Any) -> Any:
         # As the C++ operators: no autograd (outputs are codes and scales), so the graphs
         # are inference graphs, the same under grad mode or not.
-        with torch.no_grad():
+        with torch.no_grad(), limit():
             return graphs(*[_plain(a) for a in args])
 
     call.__name__ = call.__qualname__ = name  # the operator's

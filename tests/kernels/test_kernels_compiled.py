@@ -369,6 +369,28 @@ def test_cpu_choice(modes):
 
 
 # -- CUDA: the operators Inductor compiles to Triton, against the reference --------------
+@pytest.mark.parametrize("per_function", [True, False], ids=["torch>=2.12", "torch<2.12"])
+def test_each_operator_may_recompile_up_to_its_limit_on_any_torch(monkeypatch, per_function):
+    """torch.compile takes ``recompile_limit`` from 2.12 on; before, the operators raise
+    Dynamo's limit around their own calls only (torch 2.11 refused the keyword: every
+    CUDA quantize failed on the first GPU run)."""
+    seen = {}
+
+    def fake_compile(fn, **kwargs):
+        seen.update(kwargs)
+        return lambda *args: torch._dynamo.config.recompile_limit
+
+    monkeypatch.setattr(compiled, "_PER_FUNCTION_LIMIT", per_function)
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    op = compiled._compile("quantize_rows", compiled.quantize_rows)
+    limit_inside = op(torch.zeros(2, 2), torch.float8_e4m3fn, False, False)
+    if per_function:
+        assert seen["recompile_limit"] == compiled.RECOMPILE_LIMIT and seen["isolate_recompiles"]
+    else:
+        assert "recompile_limit" not in seen and limit_inside == compiled.RECOMPILE_LIMIT
+        assert torch._dynamo.config.recompile_limit != compiled.RECOMPILE_LIMIT  # restored
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_operators_match_reference(modes):
