@@ -88,6 +88,13 @@ def kernels_mode(mode: str) -> None:
     hardware.refresh()
 
 
+def compare_modes(setup: Setup) -> list[str]:
+    """The kernel modes worth timing: ``auto``, and ``compiled`` (Inductor's operators)
+    where ``auto`` runs native CUDA kernels for some of them."""
+    native = any("inductor" not in impl for impl in cuda_routing().values())
+    return ["auto", "compiled"] if setup.device == "cuda" and native else ["auto"]
+
+
 def cuda_routing() -> dict[str, str]:
     """Which implementation each quantize operator runs on CUDA tensors now."""
     if not torch.cuda.is_available():
@@ -524,8 +531,8 @@ def bandwidth(setup: Setup) -> dict:
     """Quantize GB/s (bytes read + written) of a bf16 activation with both layouts, at
     three sizes, against a device-to-device copy of the same tensor."""
     sizes = [(256, 256), (512, 512)] if setup.smoke else [(1024, 1024), (4096, 4096), (8192, 8192)]
-    modes = ["auto", "compiled"] if setup.device == "cuda" else ["auto"]
-    result: dict[str, Any] = {}
+    modes = compare_modes(setup)
+    result: dict[str, Any] = {"modes": modes}
     for rows, cols in sizes:
         x = torch.randn(rows, cols, device=setup.device).bfloat16()
         y = torch.empty_like(x)
@@ -595,8 +602,7 @@ def host_time(setup: Setup) -> dict:
         "nn.Linear_us": round(base, 1),
         "nn.Linear_wall_us": round(base_wall, 1),
     }
-    modes = ["auto", "compiled"] if dev == "cuda" else ["auto"]
-    for mode in modes:
+    for mode in compare_modes(setup):
         kernels_mode(mode)
         for rname in TRAINING:
             layer = fc.convert(nn.Sequential(nn.Linear(64, 64, device=dev, dtype=dtype)))
