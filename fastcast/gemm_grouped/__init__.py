@@ -89,22 +89,41 @@ class GroupedGemm(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, s: GroupedScaling
     ) -> torch.Tensor:
+        ctx.scaling = s
+        if x.shape[0] == 0:  # no tokens: an empty output, zero gradients
+            ctx.save_for_backward(x, w)
+            return x.new_zeros(0, w.shape[1], dtype=output_dtype(x))
+        x = ignore_rows_past_end(x, offs)
         gid = group_ids(offs, x.shape[0])
         out = grouped_forward(x, w, offs, s, gid, output_dtype(x))
         ctx.save_for_backward(x, w, offs, gid)
-        ctx.scaling = s
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        x, w, offs, gid = ctx.saved_tensors
+        saved = ctx.saved_tensors  # (read once: checkpointing allows one unpack)
+        if len(saved) == 2:
+            x, w = saved
+            return torch.zeros_like(x), torch.zeros_like(w), None, None
+        x, w, offs, gid = saved
         s = ctx.scaling
+        grad = ignore_rows_past_end(grad, offs)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = grouped_dgrad(grad, w, offs, s, gid, x.dtype)
+            # (The grouped GEMMs leave rows past the end unwritten: zero, not garbage,
+            # flows back to whatever produced them.)
+            dx = ignore_rows_past_end(grouped_dgrad(grad, w, offs, s, gid, x.dtype), offs)
         if ctx.needs_input_grad[1]:
             dw = grouped_wgrad(grad, x, offs, s, gid, w.shape[0], w.dtype)
         return dx, dw, None, None
+
+
+def ignore_rows_past_end(m: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``m`` with the rows past the last group's end zeroed, as ``torch._grouped_mm``
+    ignores them: they must reach no group's scale, product or weight gradient. (Their
+    count is on the device: a masked copy, not a slice, keeps it there.)"""
+    past_end = torch.arange(m.shape[0], device=m.device) >= offs[-1]
+    return m.masked_fill(past_end.unsqueeze(1), 0)
 
 
 def grouped_mm(
@@ -132,3 +151,26 @@ def _check(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> None:
         )
     if offs.device != x.device:
         raise ValueError(f"grouped GEMM: offs is on {offs.device}, the tokens on {x.device}")
+    _check_offsets(offs, x.shape[0])
+
+
+def _check_offsets(offs: torch.Tensor, tokens: int) -> None:
+    """The group ends must be non-decreasing and within ``[0, tokens]``. An assertion
+    that runs where the ends are, never a read back to the host (on a GPU that would stall
+    its queue every call): on the CPU it raises here, as a ValueError naming the ends; on
+    a GPU it fails the device's queue (a device-side assert), as an index out of range
+    would."""
+    if offs.numel() == 0:
+        return
+    ok = (offs[0] >= 0) & (offs[-1] <= tokens) & (torch.diff(offs) >= 0).all()
+    message = (
+        f"grouped GEMM: offs must be non-decreasing group ends within [0, T={tokens}] "
+        "(cumulative token counts per expert)"
+    )
+    if not offs.is_cpu or torch.compiler.is_compiling():
+        torch._assert_async(ok, message)
+        return
+    try:
+        torch._assert_async(ok, message)
+    except RuntimeError:
+        raise ValueError(f"{message}, got {offs.tolist()}") from None

@@ -51,9 +51,10 @@ HOST_SYNCS = {
     "bincount",
     "repeat_interleave",
     "tolist",
-    "_assert_async",
     "allclose",
 }
+# (Not ``_assert_async``: on a GPU it checks on the device, with no read back; the
+# grouped GEMM validates its group ends with it.)
 
 # Group sizes: an empty expert, counts that are no multiple of 16/32/128.
 COUNTS = [5, 0, 40, 19, 1]
@@ -186,6 +187,56 @@ def test_grouped_linear_high_precision_outside_autocast_is_bit_exact():
         assert torch.equal(off, layer(x, offs))
         with fc.autocast(recipe=fc.Float8CurrentScaling()):
             assert not torch.equal(layer(x, offs), off)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_rows_past_the_last_group_change_nothing(name):
+    """As torch._grouped_mm, rows past offs[-1] are ignored: whatever they hold, the valid
+    rows' output and input gradient and every expert's weight gradient are the same (they
+    leaked into the last group's scale and weight gradient before)."""
+    recipe = RECIPES[name]
+    if isinstance(recipe, fc.NVFP4BlockScaling) and recipe.stochastic_rounding:
+        recipe = fc.NVFP4BlockScaling(stochastic_rounding=False)  # same draws both runs
+    torch.manual_seed(3)
+    w = torch.randn(3, 64, 128) / 8
+    offs = _offs([32, 0, 32])  # ends 32, 32, 64: rows 64.. belong to no group
+    x = torch.randn(128, 128)
+
+    def run(tail_value):
+        xs = x.clone()
+        xs[64:] = tail_value
+        xs.requires_grad_(True)
+        ws = w.clone().requires_grad_(True)
+        with fc.autocast(recipe=recipe):
+            y = fc.grouped_mm(xs, ws, offs, recipe)
+        grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(4))
+        y.backward(grad)  # the gradient of the ignored rows too: it must not count
+        assert torch.all(xs.grad[64:] == 0)  # no gradient for rows no group owns
+        return y[:64], xs.grad[:64], ws.grad
+
+    for clean, noisy in zip(run(0.0), run(1e5)):
+        assert torch.equal(clean, noisy)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_no_tokens_give_an_empty_output_and_zero_gradients(name):
+    recipe = RECIPES[name]
+    x = torch.empty(0, 128, requires_grad=True)
+    w = torch.randn(3, 64, 128, requires_grad=True)
+    with fc.autocast(recipe=recipe):
+        y = fc.grouped_mm(x, w, _offs([0, 0, 0]), recipe)
+    y.sum().backward()
+    assert y.shape == (0, 64) and x.grad.shape == (0, 128)
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("ends", [[-1, 64, 96], [64, 32, 96], [32, 64, 200]])
+@pytest.mark.parametrize("name", ["current", "block", "nvfp4"])
+def test_offsets_out_of_order_or_range_are_refused(name, ends):
+    recipe = RECIPES[name]
+    with fc.autocast(recipe=recipe), pytest.raises(ValueError, match=r"non-decreasing.*T=128"):
+        ends = torch.tensor(ends, dtype=torch.int32)
+        fc.grouped_mm(torch.randn(128, 128), torch.randn(3, 64, 128), ends, recipe)
 
 
 def test_grouped_linear_rejects_bad_offsets():
