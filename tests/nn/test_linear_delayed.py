@@ -260,6 +260,44 @@ def test_forward_without_grad_records_but_does_not_update():
     isolated(body)
 
 
+@settings(max_examples=25, deadline=None)
+@given(fails=st.lists(st.booleans(), min_size=1, max_size=6), history_len=st.sampled_from([1, 3]))
+def test_a_failed_forward_leaves_the_amax_history_as_it_was(fails, history_len):
+    """Steps that raise in the middle of the forward (after layer 0 recorded an outlier's
+    amax) change nothing: every layer's history and scales are those of a run where the
+    failed steps never happened (the next good step used to quantize with the failed
+    step's amax)."""
+
+    def run(with_failures):
+        recipe = fc.DelayedScaling(amax_history_len=history_len)
+        torch.manual_seed(0)
+        model = fc.convert(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)))
+        for step, fail in enumerate(fails):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            if fail and not with_failures:
+                continue
+            try:
+                with fc.autocast(recipe=recipe):
+                    h = model[0](x * 1e3 if fail else x)
+                    if fail:
+                        raise KeyError("a failure in the middle of the forward")
+                    y = model[2](model[1](h))
+            except KeyError:
+                continue
+            y.sum().backward()
+        metas = [layer._scheme_state.get(d) for layer in (model[0], model[2]) for d in (0, 1)]
+        # (A layer that never ran has no state: as a fresh one, no amax and unit scales.)
+        return [
+            (torch.zeros(history_len, 2 - d % 2), torch.ones(2 - d % 2))
+            if meta is None
+            else (meta.history.clone(), meta.scale.clone())
+            for d, meta in enumerate(metas)
+        ]
+
+    for (h1, s1), (h2, s2) in zip(isolated(run, True), isolated(run, False)):
+        assert torch.equal(h1, h2) and torch.equal(s1, s2)
+
+
 def test_backward_scales_update_after_the_last_modules_backward():
     def body():
         recipe = fc.DelayedScaling()

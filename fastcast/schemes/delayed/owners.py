@@ -122,13 +122,27 @@ class DelayedState:
         """The forward step this owner ran in ended (its outermost active autocast exited).
 
         Scales move only after training (grad-enabled) or calibrating forwards that
-        finished (``ok``); amaxes seen otherwise stay recorded and join the next update.
+        finished (``ok``); amaxes of finished no-grad forwards stay recorded and join the
+        next update. A forward that raised records nothing: the amaxes recorded since the
+        last update are dropped, so the next step quantizes with the scales it would have
+        had (a failed step's outliers must not set them).
         """
         # A pass whose end is still pending when the next forward step ends failed before
         # its callbacks ran: forget it, so that the next pass queues its own end.
         self.backward_task = None
-        if ok and (torch.is_grad_enabled() or frame.calibrating):
+        if not ok:
+            self.discard(FORWARD)
+        elif torch.is_grad_enabled() or frame.calibrating:
             self.end(FORWARD, (frame.group,))
+
+    def discard(self, direction: int) -> None:
+        """Forget the amaxes recorded in one direction since the last update (history row
+        0, the step being recorded); the window and scales stay as they are."""
+        pending = self.pending[direction]
+        for (_, slab_direction, _), slab in self.slabs.items():
+            if slab_direction == direction and (slab in pending or slab in self.compiled):
+                slab.history[0].zero_()
+        pending.clear()
 
     def backward_ran(self, group: Any) -> None:
         """A module's backward is running (or, under a reentrant checkpoint, about to run
