@@ -1,4 +1,5 @@
-"""Loading ``fc.Linear`` state with torch.distributed.checkpoint (DCP), whatever its size.
+"""Loading ``fc.Linear`` state with torch.distributed.checkpoint (DCP), whatever its size,
+without running anything the checkpoint holds.
 
 DCP loads in place: each tensor of the target state dict must already have the size that
 was saved. An ``fc.Linear``'s ``_extra_state`` has a size that depends on its state (the
@@ -14,19 +15,27 @@ some ``amax_history_len``), so a target built differently (converted without
     fastcast.dcp.load(sd, checkpoint_id=path)
     model.load_state_dict(sd["model"])
 
-It reads the checkpoint's extra states first and validates them (a NaN scale is refused
-before any weight is read into the model: DCP writes the parameters of
-``model.state_dict()`` in place), compares every other entry's saved size with the
-target's (a mismatch is a ``CheckpointMismatchError``, a ``ValueError`` naming each
-entry), then loads with ``LoadPlanner``. Errors are ordinary exceptions: DCP's own
-``CheckpointException`` derives from ``BaseException``, which ``except Exception``
-misses; ``load`` raises the ``ValueError`` inside it, or a ``CheckpointLoadError``
-(a ``RuntimeError``) for anything else.
+It reads the checkpoint's ``.metadata`` without running it (``SafeFileSystemReader``:
+DCP's own reader unpickles it, so a crafted file runs code), then the extra states and
+every entry saved as bytes, and validates them (a NaN scale, a pickled extra state
+outside ``fc.allow_unsafe_extra_state()``, a header field out of range are refused before
+any weight is read into the model: DCP writes the parameters of ``model.state_dict()``
+in place), compares every other entry's saved size with the target's (a mismatch is a
+``CheckpointMismatchError``, a ``ValueError`` naming each entry), then loads with
+``LoadPlanner``. Errors are ordinary exceptions: DCP's own ``CheckpointException``
+derives from ``BaseException``, which ``except Exception`` misses; ``load`` raises the
+``ValueError`` inside it, or a ``CheckpointLoadError`` (a ``RuntimeError``) for anything
+else. A refused ``.metadata`` is a ``CheckpointMetadataError`` (a ``ValueError``).
 
 ``LoadPlanner``, for code that calls ``dcp.load`` itself, replaces each extra-state entry
 of the target whose size differs by an empty tensor of the saved size before DCP plans its
 reads (``load_state_dict`` then decodes, validates and installs the saved state), reads
-the extra states before the other entries of each file, and validates each as it is read.
+the extra states before the other entries of each file, validates each as it is read,
+and reads entries saved as bytes with fastcast's restricted unpickler (DCP's planner
+gives them to ``torch.load(weights_only=False)``). It cannot make the metadata safe: DCP
+reads it (``storage_reader.read_metadata()``) before the planner is called, so pass
+``storage_reader=SafeFileSystemReader(path)`` with it; with ``checkpoint_id`` alone DCP
+makes its own ``FileSystemReader``, whose ``pickle.load`` runs whatever the file holds.
 (With the default planner no fastcast code runs inside ``dcp.load``: its size mismatch
 is DCP's ``CheckpointException``.)
 
@@ -36,6 +45,8 @@ This module imports ``torch.distributed.checkpoint``; ``import fastcast`` does n
 from __future__ import annotations
 
 import dataclasses
+import io
+import math
 import os
 from collections.abc import Iterator, MutableMapping
 from typing import Any
@@ -44,9 +55,16 @@ import torch
 import torch.distributed.checkpoint as dist_cp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
+from .serialization.dcp_metadata import CheckpointMetadataError, load_entry, read_metadata
 from .serialization.extra_state import (
     EXTRA_STATE_KEY,
     decode_extra_state,
@@ -55,8 +73,10 @@ from .serialization.extra_state import (
 
 __all__ = [
     "CheckpointLoadError",
+    "CheckpointMetadataError",
     "CheckpointMismatchError",
     "LoadPlanner",
+    "SafeFileSystemReader",
     "fit_extra_states",
     "load",
 ]
@@ -71,11 +91,100 @@ class CheckpointLoadError(RuntimeError):
     """DCP failed for another reason (its ``CheckpointException`` is the ``__cause__``)."""
 
 
+_METADATA_FILE = ".metadata"  # DCP's name for it (``__<rank>.metadata`` per rank)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's ``FileSystemReader``, reading the checkpoint's ``.metadata`` with fastcast's
+    restricted unpickler instead of ``pickle.load``: only what DCP's writer pickles (its
+    metadata dataclasses, ``torch.Size``, dtypes, plain containers) is read, and anything
+    else is refused with a ``CheckpointMetadataError`` describing the file, nothing of it
+    run. The rest is ``FileSystemReader``'s (tensors are read with
+    ``torch.load(weights_only=True)``). For ``dcp.load`` called directly::
+
+        dcp.load(sd, storage_reader=fastcast.dcp.SafeFileSystemReader(path),
+                 planner=fastcast.dcp.LoadPlanner())
+
+    (``LoadPlanner`` reads entries saved as bytes with the restricted unpickler too; DCP's
+    default planner gives them to ``torch.load(weights_only=False)``.) A refused global
+    ``.metadata`` is refused again when DCP falls back to a rank's own metadata file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self._refused: str | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        super().reset(checkpoint_id)
+        self._refused = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._refused is not None:
+            raise CheckpointMetadataError(self._refused)
+        rank = kwargs.get("rank")
+        name = _METADATA_FILE if rank is None else f"__{rank}{_METADATA_FILE}"
+        path = self.fs.concat_path(self.path, name)
+        with self.fs.create_stream(path, "rb") as stream:
+            data = stream.read()
+        try:
+            metadata = read_metadata(data, where=str(path))
+        except CheckpointMetadataError as exc:
+            self._refused = str(exc)
+            raise
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # as FileSystemReader does
+        return metadata
+
+
+def _safe_reader(storage_reader: Any, checkpoint_id: Any) -> SafeFileSystemReader:
+    """The reader ``load`` reads with: a ``SafeFileSystemReader`` of ``checkpoint_id``,
+    or of the folder (and file system) of a ``FileSystemReader`` it is given."""
+    if storage_reader is None:
+        if checkpoint_id is None:
+            raise ValueError("fastcast.dcp.load: give checkpoint_id or storage_reader")
+        return SafeFileSystemReader(checkpoint_id)
+    if isinstance(storage_reader, SafeFileSystemReader):
+        return storage_reader
+    if _reads_as_filesystem(storage_reader):
+        # The same reader (its file system, folder, extensions), reading the metadata
+        # safely; every other method is FileSystemReader's, the same as the original's.
+        safe = SafeFileSystemReader.__new__(SafeFileSystemReader)
+        safe.__dict__.update(vars(storage_reader))
+        safe._refused = None
+        return safe
+    raise TypeError(
+        f"fastcast.dcp.load: a {type(storage_reader).__qualname__} reads the checkpoint's "
+        "metadata in its own way, which fastcast cannot vouch for; fastcast.dcp.load reads "
+        "checkpoints of DCP's file-system writer (give checkpoint_id, a FileSystemReader, an "
+        "FsspecReader or a fastcast.dcp.SafeFileSystemReader). To load with this reader "
+        "anyway, call torch.distributed.checkpoint.load(..., storage_reader=reader, "
+        "planner=fastcast.dcp.LoadPlanner()) yourself"
+    )
+
+
+def _reads_as_filesystem(reader: Any) -> bool:
+    """Whether every method of ``reader`` is ``FileSystemReader``'s: its class is
+    ``FileSystemReader`` or DCP's fsspec reader (which only sets up another file system)."""
+    if type(reader) is FileSystemReader:
+        return True
+    try:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: PLC0415
+    except ImportError:  # fsspec is not installed
+        return False
+    return type(reader) is FsspecReader
+
+
 class LoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that sizes ``fc.Linear`` extra-state entries as saved, reads
     them before the other entries of each checkpoint file, and refuses one that fastcast
     would refuse to load (a ``ValueError`` naming the entry, inside DCP's
-    ``CheckpointException``) as it is read."""
+    ``CheckpointException``) as it is read. Entries saved as bytes are read with
+    fastcast's restricted unpickler (plain data, tensors and byte buffers), never with
+    ``torch.load(weights_only=False)``.
+
+    A planner is called after DCP has read the checkpoint's metadata: pair it with
+    ``storage_reader=SafeFileSystemReader(path)`` (module docstring)."""
 
     def set_up_planner(
         self,
@@ -83,6 +192,10 @@ class LoadPlanner(DefaultLoadPlanner):
         metadata: Metadata | None = None,
         is_coordinator: bool = False,
     ) -> None:
+        # The entries that are fc.Linear extra states, before fitting replaces them.
+        self._fc_extra = {
+            fqn for _, _, fqn, value in _entries(state_dict) if is_extra_state_entry(fqn, value)
+        }
         if metadata is not None:
             fit_extra_states(state_dict, metadata)
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -97,9 +210,23 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         fqn = read_item.dest_index.fqn
-        if is_extra_state_entry(fqn, tensor):  # fastcast's (other libraries' left alone)
+        # fastcast's (a target fc.Linear's, or fastcast's by its values); other
+        # libraries' left alone.
+        if fqn in getattr(self, "_fc_extra", ()) or is_extra_state_entry(fqn, tensor):
             decode_extra_state(tensor, owner=f"checkpoint entry {fqn!r}")
         super().commit_tensor(read_item, tensor)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        loaded = load_entry(value.read(), f"checkpoint entry {fqn!r}")
+        if fqn in getattr(self, "_fc_extra", ()):  # TransformerEngine's form, say
+            decode_extra_state(loaded, owner=f"checkpoint entry {fqn!r}")
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element  # noqa: PLC0415
+
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
 
 
 def _is_extra_item(item: ReadItem) -> bool:
@@ -123,31 +250,65 @@ def _entries(state_dict: MutableMapping[str, Any]) -> Iterator[tuple[Any, str, s
     return visit(state_dict, "")
 
 
-def _saved_extra_size(metadata: Metadata, fqn: str) -> torch.Size | None:
-    """The saved size of the extra state at ``fqn``, if it was saved as fastcast saves
-    one (a 1-D float32 tensor)."""
+def _flattened(state_dict: MutableMapping[str, Any]) -> dict[str, Any]:
+    """Every entry DCP reads, by the key it reads it under: mappings and lists (an
+    optimizer's parameter groups) flattened as DCP flattens them."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # noqa: PLC0415
+
+    return flatten_state_dict(state_dict)[0]
+
+
+def _saved_extra_state(metadata: Metadata, fqn: str) -> Any:
+    """An empty stand-in of what the checkpoint saved at ``fqn``, an extra state, to read
+    it into: a tensor of the saved dtype and size, ``b""`` for bytes (TransformerEngine
+    saves pickles), or None when there is nothing to read (no such entry, or a saved
+    tensor larger than the bytes stored for it: a size written into the metadata must
+    not make fastcast allocate it)."""
     entry = metadata.state_dict_metadata.get(fqn)
-    if (
-        isinstance(entry, TensorStorageMetadata)
-        and entry.properties.dtype == torch.float32
-        and len(entry.size) == 1
-    ):
-        return entry.size
-    return None
+    if isinstance(entry, BytesStorageMetadata):
+        return b""
+    if not isinstance(entry, TensorStorageMetadata):
+        return None
+    dtype = entry.properties.dtype
+    nbytes = math.prod(entry.size) * dtype.itemsize
+    held = _stored_bytes(metadata, fqn, entry)
+    if held is not None and nbytes > held:
+        return None
+    return torch.empty(entry.size, dtype=dtype)
+
+
+def _stored_bytes(metadata: Metadata, fqn: str, entry: TensorStorageMetadata) -> int | None:
+    """How many bytes the checkpoint's files hold for ``fqn`` (its chunks' lengths, which
+    include the ``torch.save`` archive around the values), or None where the reader's
+    storage data does not say."""
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        return None
+    total = 0
+    for chunk in entry.chunks:
+        info = storage.get(MetadataIndex(fqn, chunk.offsets))
+        length = getattr(info, "length", None)
+        if type(length) is not int:
+            return None if info is not None else 0
+        total += length
+    return total
 
 
 def fit_extra_states(state_dict: MutableMapping[str, Any], metadata: Metadata) -> list[str]:
     """Replace, in place, every ``fc.Linear`` extra state of ``state_dict`` (nested
-    mappings, as DCP flattens them: keys joined by ".") whose saved size differs by an
-    empty float32 tensor of the saved size; return the keys replaced. Entries that are not
-    fastcast's, or that were saved as anything but a float32 tensor, are left to DCP."""
+    mappings, as DCP flattens them: keys joined by ".") whose saved tensor has another
+    size or dtype by an empty tensor of the saved size and dtype; return the keys
+    replaced. Entries that are not fastcast's, and extra states saved as bytes (which DCP
+    reads whatever the target), are left to DCP."""
     replaced = []
     for mapping, key, fqn, value in _entries(state_dict):
         if not is_extra_state_entry(fqn, value):
             continue
-        size = _saved_extra_size(metadata, fqn)
-        if size is not None and size != value.shape:
-            mapping[key] = torch.empty(size, dtype=torch.float32)
+        saved = _saved_extra_state(metadata, fqn)
+        if isinstance(saved, torch.Tensor) and (
+            saved.shape != value.shape or saved.dtype != value.dtype
+        ):
+            mapping[key] = saved
             replaced.append(fqn)
     return replaced
 
@@ -161,41 +322,51 @@ def load(
     no_dist: bool = False,
 ) -> None:
     """``torch.distributed.checkpoint.load`` of ``state_dict`` (in place), all or nothing
-    for the model whose tensors it holds (module docstring): the extra states are read and
-    validated first, the other entries' sizes checked against the checkpoint, and only
-    then is anything written. Refusals are ``ValueError`` (a ``CheckpointMismatchError``
-    for sizes), naming the entries; other DCP failures a ``CheckpointLoadError``.
+    for the model whose tensors it holds (module docstring): the metadata is read without
+    running it, the extra states and every entry saved as bytes are read and validated
+    first, the other entries' sizes checked against the checkpoint, and only then is
+    anything written. Refusals are ``ValueError`` (a ``CheckpointMetadataError`` for the
+    metadata, a ``CheckpointMismatchError`` for sizes), naming the entries; other DCP
+    failures a ``CheckpointLoadError``.
 
     ``checkpoint_id``, ``storage_reader``, ``process_group`` and ``no_dist`` are
-    ``dcp.load``'s. Called by every rank, as ``dcp.load`` is.
+    ``dcp.load``'s; a ``storage_reader`` is a ``FileSystemReader`` (its metadata is then
+    read as ``SafeFileSystemReader`` reads it), an fsspec reader or a
+    ``SafeFileSystemReader``: another reader's way of reading the metadata is not
+    fastcast's to vouch for (a ``TypeError``). Called by every rank, as ``dcp.load`` is.
     """
-    if storage_reader is None:
-        if checkpoint_id is None:
-            raise ValueError("fastcast.dcp.load: give checkpoint_id or storage_reader")
-        storage_reader = FileSystemReader(checkpoint_id)
+    reader = _safe_reader(storage_reader, checkpoint_id)
     kwargs = {
         "checkpoint_id": checkpoint_id,
-        "storage_reader": storage_reader,
+        "storage_reader": reader,
         "process_group": process_group,
         "no_dist": no_dist,
     }
     if checkpoint_id is not None:
-        storage_reader.reset(checkpoint_id)
-    metadata = storage_reader.read_metadata()
+        reader.reset(checkpoint_id)
+    metadata = reader.read_metadata()
 
-    # 1. Sizes: every entry but the extra states (which LoadPlanner fits) as saved.
+    # 1. Sizes: every entry but the extra states (read as saved) and the entries saved
+    # as bytes (read whatever the target holds).
     saved = metadata.state_dict_metadata
     problems = []
-    extra: dict[str, torch.Tensor] = {}
-    for _, _, fqn, value in _entries(state_dict):
-        if is_extra_state_entry(fqn, value):
-            size = _saved_extra_size(metadata, fqn)
-            if size is not None:
-                extra[fqn] = torch.empty(size, dtype=torch.float32)
-                continue
+    first: dict[str, Any] = {}  # read and validated before anything else
+    extra: list[str] = []  # the fc.Linear extra states among them
+    for fqn, value in _flattened(state_dict).items():
         entry = saved.get(fqn)
+        if is_extra_state_entry(fqn, value):
+            placeholder = _saved_extra_state(metadata, fqn)
+            if placeholder is not None:
+                first[fqn] = placeholder
+                extra.append(fqn)
+                continue
         if entry is None:
             problems.append(f"{fqn!r}: not in the checkpoint")
+        elif isinstance(entry, BytesStorageMetadata):
+            if isinstance(value, torch.Tensor):
+                problems.append(f"{fqn!r}: saved as bytes, target a tensor")
+            else:
+                first[fqn] = b""
         elif isinstance(value, torch.Tensor) and isinstance(entry, TensorStorageMetadata):
             if tuple(entry.size) != tuple(value.shape):
                 problems.append(f"{fqn!r}: saved {tuple(entry.size)}, target {tuple(value.shape)}")
@@ -207,12 +378,13 @@ def load(
             "Build the model with the configuration it was saved with; fc.Linear extra "
             "states of any size load by themselves (fastcast.dcp.LoadPlanner fits them)."
         )
-    # 2. The extra states alone, into tensors of their own, validated before anything
-    # of the model is written.
-    if extra:
-        _dcp_load(extra, DefaultLoadPlanner(), kwargs)
-        for fqn, state in extra.items():
-            decode_extra_state(state, owner=f"checkpoint entry {fqn!r}")
+    # 2. The extra states and the entries saved as bytes alone, into objects of their own,
+    # validated before anything of the model is written (the planner refuses a bytes
+    # entry that imports anything but plain data, tensors and byte buffers).
+    if first:
+        _dcp_load(first, LoadPlanner(), kwargs)
+        for fqn in extra:
+            decode_extra_state(first[fqn], owner=f"checkpoint entry {fqn!r}")
     # 3. Everything.
     _dcp_load(state_dict, LoadPlanner(), kwargs)
 

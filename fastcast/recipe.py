@@ -137,6 +137,11 @@ def _require_bool(recipe: str, name: str, value: object) -> None:
 
 _frozen = dataclasses.dataclass(frozen=True, slots=True, repr=False, eq=False)
 
+# The largest DelayedScaling margin: 2**-margin is then still a normal FP32 number (beyond,
+# the scale underflows to zero, and from 1024 on ``2.0**margin`` overflows). Saved
+# delayed-scaling states are held to the same bound when they load.
+MAX_MARGIN = 126
+
 
 @_frozen
 class DelayedScaling(Recipe):
@@ -161,8 +166,11 @@ class DelayedScaling(Recipe):
     def _check(self) -> None:
         name = "DelayedScaling"
         _require(
-            isinstance(self.margin, int) and not isinstance(self.margin, bool) and self.margin >= 0,
-            f"{name}: margin must be a non-negative int, got {self.margin!r}",
+            isinstance(self.margin, int)
+            and not isinstance(self.margin, bool)
+            and 0 <= self.margin <= MAX_MARGIN,
+            f"{name}: margin must be a non-negative int (at most {MAX_MARGIN}), "
+            f"got {self.margin!r}",
         )
         _require_format(name, self.fp8_format, (Format.HYBRID, Format.E4M3))
         _require(

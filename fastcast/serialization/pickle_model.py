@@ -45,6 +45,8 @@ from .pickle_symbols import (
     _TooLarge,
 )
 
+_EXTRA_STATE_REFUSAL = "not allowed even inside fc.allow_unsafe_extra_state()"
+
 
 # -- the payload's bytes ----------------------------------------------------------------------
 def payload_bytes(payload: Any) -> bytes:
@@ -85,11 +87,22 @@ class PickleReport:
     how it is used), the reasons what it would run is unknown, and whether it was too
     large to describe. ``str()`` gives the description."""
 
-    __slots__ = ("size", "kind", "imports", "refused", "unknown", "failures", "too_large", "nested")
+    __slots__ = (
+        "size",
+        "kind",
+        "imports",
+        "refused",
+        "refusal",
+        "unknown",
+        "failures",
+        "too_large",
+        "nested",
+    )
 
-    def __init__(self, size: int, kind: str) -> None:
+    def __init__(self, size: int, kind: str, refusal: str = "") -> None:
         self.size = size
         self.kind = kind
+        self.refusal = refusal or _EXTRA_STATE_REFUSAL  # how refused globals are introduced
         self.imports: dict[str, dict[str, None]] = {}  # shown name -> how it is used
         self.refused: dict[str, None] = {}  # globals the restricted unpickler refuses
         self.unknown: dict[str, None] = {}  # why what it would run is unknown
@@ -127,7 +140,7 @@ class PickleReport:
             text += f"; an ordinary unpickler would stop where the {self.failures[0]}"
         if self.refused:
             refused = _enumerate(list(self.refused))
-            text += f"; not allowed even inside fc.allow_unsafe_extra_state(): {refused}"
+            text += f"; {self.refusal}: {refused}"
         return escape(text)
 
     def _listing(self) -> str:
@@ -164,7 +177,9 @@ def inspect_pickle(payload: Any, allowed: AllowList | None = None) -> PickleRepo
         return report
     data = payload_bytes(payload)
     zipped = data.startswith(ZIP_MAGIC)
-    report = PickleReport(size, "torch.save archive" if zipped else "pickle")
+    report = PickleReport(
+        size, "torch.save archive" if zipped else "pickle", allowed.refusal if allowed else ""
+    )
     model = _Model(report, allowed)
     try:
         if zipped:
@@ -192,7 +207,7 @@ class AllowList:
     pickle maps them (whatever the protocol: both spellings give only something allowed).
     """
 
-    __slots__ = ("globals", "buildable", "containers", "what")
+    __slots__ = ("globals", "buildable", "containers", "what", "refusal")
 
     def __init__(
         self,
@@ -200,11 +215,15 @@ class AllowList:
         what: str,
         buildable: Iterable[tuple[str, str]] = (),
         containers: Iterable[tuple[str, str]] = (),
+        refusal: str = "",
     ) -> None:
         self.globals = dict(globals_)
         self.buildable = frozenset(buildable)
         self.containers = frozenset(containers)
         self.what = what
+        # How a description introduces the globals this list refuses (by default, as
+        # an extra state's: nothing lets fastcast unpickle them).
+        self.refusal = refusal or _EXTRA_STATE_REFUSAL
 
     def extended(
         self,
@@ -219,6 +238,7 @@ class AllowList:
             what,
             self.buildable | frozenset(buildable),
             self.containers | frozenset(containers),
+            self.refusal,
         )
 
     def _key(self, module: str, name: str) -> tuple[str, str] | None:

@@ -276,19 +276,20 @@ def _load_stream(data: bytes, allowed: AllowList) -> Any:
     return result
 
 
-def unpickle(data: bytes, owner: str, allowed: AllowList) -> Any:
+def unpickle(data: bytes, owner: str, allowed: AllowList, what: str = "the extra state") -> Any:
     """Load a payload (a torch.save archive or stream, tensors on the CPU, or a bare
     pickle) with a restricted unpickler allowing ``allowed``, after describing it:
     anything it would import that is not allowed, anything unknown, or a payload too
-    large to describe is refused before a byte of it is unpickled."""
+    large to describe is refused before a byte of it is unpickled. Errors name ``owner``
+    and ``what`` the payload is."""
     report = inspect_pickle(data, allowed)
     if not report.loadable:
-        raise ValueError(f"{owner}: refusing to unpickle the extra state ({report})")
+        raise ValueError(f"{owner}: refusing to unpickle {what} ({report})")
     try:
         if data.startswith(ZIP_MAGIC):
             return _load_archive(data, allowed)
         return _load_stream(data, allowed)
     except Exception as exc:
         raise ValueError(
-            f"{owner}: could not unpickle the extra state ({report}): {escape(str(exc))}"
+            f"{owner}: could not unpickle {what} ({report}): {escape(str(exc))}"
         ) from exc

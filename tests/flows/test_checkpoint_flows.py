@@ -350,9 +350,13 @@ def _fastcast_dcp_load(sd, path):
 
 
 def _dcp_load_with_planner(sd, path):
+    """``dcp.load`` as docs/checkpoints.md gives it: the planner, and the reader that
+    reads the metadata without running it (with ``checkpoint_id`` alone DCP unpickles it
+    before the planner is called)."""
     import fastcast.dcp
 
-    dcp.load(sd, checkpoint_id=path, planner=fastcast.dcp.LoadPlanner(), no_dist=True)
+    reader = fastcast.dcp.SafeFileSystemReader(path)
+    dcp.load(sd, storage_reader=reader, planner=fastcast.dcp.LoadPlanner(), no_dist=True)
 
 
 DCP_LOADS = {"fastcast.dcp.load": _fastcast_dcp_load, "LoadPlanner": _dcp_load_with_planner}

@@ -124,6 +124,8 @@ INVALID = [
     (DelayedScaling, {"margin": -1}, "margin must be a non-negative int"),
     (DelayedScaling, {"margin": 0.5}, "margin must be a non-negative int"),
     (DelayedScaling, {"margin": True}, "margin must be a non-negative int"),
+    (DelayedScaling, {"margin": 127}, "margin must be a non-negative int (at most 126)"),
+    (DelayedScaling, {"margin": 10**9}, "at most 126"),
     (DelayedScaling, {"scaling_factor_compute_algo": "pow2"}, "scaling_factor_compute_algo"),
     (DelayedScaling, {"reduce_amax": 1}, "reduce_amax must be a bool"),
     (DelayedScaling, {"reduce_amax": "yes"}, "reduce_amax must be a bool"),

@@ -176,6 +176,11 @@ CORRUPTIONS = {
     "three forward columns": (lambda s: _corrupt(s, 5, 3.0), "forward"),
     "unknown format": (lambda s: _corrupt(s, 7, 5.0), "invalid forward format code"),
     "fractional field": (lambda s: _corrupt(s, 9, 0.5), "integers"),
+    # A margin no recipe may have: 2.0**1e9 would overflow at the first step after the load.
+    "margin 1e9": (lambda s: _corrupt(s, 9, 1e9), r"invalid margin 1000000000 \(header slot 9"),
+    "margin past the bound": (lambda s: _corrupt(s, 9, 127.0), "invalid margin 127"),
+    "margin below unknown": (lambda s: _corrupt(s, 9, -2.0), "invalid margin -2"),
+    "reserved slot": (lambda s: _corrupt(s, 14, 1.0), "reserved header slot 14"),
     "unknown kind": (lambda s: _corrupt(s, 2, 7.0), "unknown fastcast extra state kind"),
     "cast to bfloat16": (lambda s: s.to(torch.bfloat16), "bfloat16"),
     "cast to float64": (lambda s: s.double(), "float64"),

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ...formats import FP8_FORMATS
+from ...recipe import MAX_MARGIN
 from ...serialization.state_format import (
     HEADER,
     UNKNOWN,
@@ -51,6 +52,7 @@ from .te_state import from_transformer_engine, is_transformer_engine_state
 # Header slots.
 _ROWS, _FWD_COLS, _BWD_COLS, _FWD_FMT, _BWD_FMT = 4, 5, 6, 7, 8
 _MARGIN, _ALGO, _CUSTOM, _REDUCE = 9, 10, 11, 12
+_RESERVED = range(13, HEADER)
 _COLUMNS = {FORWARD: 2, BACKWARD: 1}  # what an fc.Linear keeps per direction
 _NAMES = {FORWARD: "forward", BACKWARD: "backward"}
 _FORMATS = FP8_FORMATS  # codes 0, 1 (the order is part of the file format)
@@ -127,8 +129,20 @@ class DelayedStateFormat(StateFormat):
         for name, (value, count) in fields.items():
             if not UNKNOWN <= value < count:
                 raise refuse(f"delayed-scaling state has an invalid {name} code {value}")
-        if head[_MARGIN] < UNKNOWN:
-            raise refuse(f"delayed-scaling state has an invalid margin {head[_MARGIN]}")
+        # The margin as a recipe may have it (a larger one would fail the first step
+        # after the load, 2.0**margin overflowing), or unknown.
+        if not UNKNOWN <= head[_MARGIN] <= MAX_MARGIN:
+            raise refuse(
+                f"delayed-scaling state has an invalid margin {head[_MARGIN]} (header slot "
+                f"{_MARGIN}; a DelayedScaling margin is 0..{MAX_MARGIN}, or -1 if unknown)"
+            )
+        reserved = [(slot, head[slot]) for slot in _RESERVED if head[slot] != 0]
+        if reserved:
+            slot, value = reserved[0]
+            raise refuse(
+                f"delayed-scaling state has {value} in reserved header slot {slot} (a newer "
+                "fastcast's field?); this fastcast reads only zeros there"
+            )
         scales = values[:columns]
         history = values[columns:].reshape(rows, columns)
         # All values in one read: finite and >= 0, scales > 0 (NaN fails every comparison).
