@@ -61,7 +61,7 @@ SOURCES = tuple(
     )
 )
 # Included by the sources: part of what the build directory is keyed by.
-HEADERS = (CSRC / "fp8.h",)
+HEADERS = (CSRC / "fp8.h", CSRC / "element.h")
 # The operators the library defines (each source file its own, TORCH_LIBRARY_FRAGMENT
 # beside the one TORCH_LIBRARY); ``choice.fused_op`` hands out their Python entry points
 # (bindings.cpp) by name.
