@@ -61,7 +61,7 @@ SOURCES = tuple(
     )
 )
 # Included by the sources: part of what the build directory is keyed by.
-HEADERS = (CSRC / "fp8.h",)
+HEADERS = (CSRC / "fp8.h", CSRC / "element.h")
 # The operators the library defines (each source file its own, TORCH_LIBRARY_FRAGMENT
 # beside the one TORCH_LIBRARY); ``choice.fused_op`` hands out their Python entry points
 # (bindings.cpp) by name.
@@ -78,6 +78,16 @@ OPS = (
     "dequantize_blocks",
     "dequantize_nvfp4",
 )
+# The CUDA kernels of the same operators (``TORCH_LIBRARY_IMPL(fastcast_kernels, CUDA)``):
+# a second library, built only where torch has CUDA, a GPU is present and nvcc is found,
+# and loaded after the CPU library (which defines the operators' schemas). The existing
+# entry points reach these kernels for CUDA tensors through the dispatcher.
+CUDA_SOURCES = tuple(CSRC / "cuda" / name for name in ("tensorwise.cu", "rows.cu", "blocks.cu"))
+CUDA_HEADERS = (CSRC / "element.h", CSRC / "cuda" / "common.cuh")
+CUDA_NAME = "fastcast_kernels_cuda"
+# No fused multiply-add: the element arithmetic (element.h) must round as the CPU's does.
+# (No product in it feeds an addition today; this keeps it so.)
+NVCC_FLAGS = ("-O3", "--fmad=false")
 # -O3 vectorises the amax and cast loops (the other two let it if-convert float
 # comparisons; neither changes a value). No -march=native: a shared build directory
 # must not hold code that faults on an older CPU.
@@ -252,19 +262,24 @@ def _build_or_import(directory: Path, key: dict[str, str]) -> ModuleType:
     return module
 
 
-def _copy_sources(target: Path) -> list[Path]:
-    """The sources and headers copied into ``target`` (the sources' paths returned):
-    ninja's commands name them there, the same for every install. A copy is written only
-    when it differs, so ninja sees no newer file on a later build."""
-    target.mkdir(exist_ok=True)
-    for source in (*SOURCES, *HEADERS):
+def _copy_sources(
+    target: Path,
+    sources: tuple[Path, ...] = SOURCES,
+    headers: tuple[Path, ...] = HEADERS,
+) -> list[Path]:
+    """The sources and headers copied into ``target`` at their paths under ``csrc/`` (the
+    sources' paths returned): ninja's commands name them there, the same for every
+    install, and ``#include "../element.h"`` finds its file. A copy is written only when
+    it differs, so ninja sees no newer file on a later build."""
+    for source in (*sources, *headers):
         text = source.read_bytes()
-        copy = target / source.name
+        copy = target / source.relative_to(CSRC)
+        copy.parent.mkdir(parents=True, exist_ok=True)
         if not copy.exists() or copy.read_bytes() != text:
             partial = copy.with_suffix(copy.suffix + ".partial")
             partial.write_bytes(text)
             os.replace(partial, copy)
-    return [target / s.name for s in SOURCES]
+    return [target / s.relative_to(CSRC) for s in sources]
 
 
 def _import(library: Path) -> ModuleType:
@@ -298,6 +313,152 @@ def _ninja_on_path() -> Iterator[None]:
         os.environ["PATH"] = path
 
 
+# ---- The CUDA library ---------------------------------------------------------------
+
+# Seconds the CUDA library took to load, or the BuildError it failed with: a process
+# fact like the CPU library's (tried at most once per process; its registrations would
+# clash on a second load).
+_cuda_loaded: float | BuildError | None = None
+
+
+def cuda_torch() -> bool:
+    """Whether this torch can run CUDA kernels here: built with CUDA (a CPU wheel is not,
+    whatever ``torch.cuda`` is made to answer) and a GPU present."""
+    return torch.backends.cuda.is_built() and torch.cuda.is_available()
+
+
+def nvcc() -> str | None:
+    """The nvcc ``cpp_extension`` would run (``$CUDA_HOME/bin/nvcc``), or None."""
+    from torch.utils import cpp_extension  # noqa: PLC0415 - slow import, first use only
+
+    home = cpp_extension.CUDA_HOME
+    if home is None:
+        return None
+    path = Path(home) / "bin" / "nvcc"
+    return str(path) if path.exists() else None
+
+
+def cuda_build_key() -> dict[str, str]:
+    """``build_key()`` for the CUDA library: its sources, nvcc (path and version), the
+    GPU architectures it is built for, and the CPU library's key (the host compiler,
+    Python and torch)."""
+    from torch.utils import cpp_extension  # noqa: PLC0415 - slow import, first use only
+
+    sources = hashlib.sha256()
+    for source in (*CUDA_SOURCES, *CUDA_HEADERS):
+        sources.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    compiler = nvcc()
+    return {
+        **build_key(),
+        "cuda_sources": sources.hexdigest(),
+        "nvcc": compiler or "(not found)",
+        "nvcc_version": _nvcc_version(compiler),
+        "nvcc_flags": " ".join(NVCC_FLAGS),
+        # TORCH_CUDA_ARCH_LIST, else the visible GPUs: what the kernels are compiled for.
+        "cuda_arch": " ".join(cpp_extension._get_cuda_arch_flags()),
+        "torch_cuda": str(torch.version.cuda),
+    }
+
+
+def _nvcc_version(path: str | None) -> str:
+    """The release line of ``nvcc --version`` (its first line names only the tool)."""
+    if path is None:
+        return ""
+    try:
+        done = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"({type(exc).__name__})"
+    lines = [line for line in done.stdout.splitlines() if "release" in line]
+    return lines[0].strip() if lines else f"(exit status {done.returncode})"
+
+
+def load_cuda() -> float:
+    """Build (if needed) and load the CUDA kernels, after the CPU library; returns the
+    seconds it took. Raises ``BuildError`` with the reason when it cannot: no CUDA torch
+    or GPU, no nvcc, a compile error. Tried once per process; a failure is remembered."""
+    global _cuda_loaded
+    load()  # the schemas the CUDA kernels register against
+    with _load_lock:
+        if isinstance(_cuda_loaded, BuildError):
+            raise _cuda_loaded
+        if _cuda_loaded is not None:
+            return _cuda_loaded
+        start = time.perf_counter()
+        try:
+            if not cuda_torch():
+                raise BuildError("this torch has no CUDA build or no GPU is visible")
+            if nvcc() is None:
+                raise BuildError("nvcc is not found (set CUDA_HOME to a CUDA toolkit)")
+            key = cuda_build_key()
+            directory = build_dir(key)
+            with _exclusive(directory):
+                _build_or_load_cuda(directory, key)
+        except BuildError as exc:
+            _cuda_loaded = exc
+            raise
+        except Exception as exc:  # a compile error, a library that does not load
+            _cuda_loaded = BuildError(f"{type(exc).__name__}: {exc}")
+            raise _cuda_loaded from exc
+        _cuda_loaded = time.perf_counter() - start
+    logger.info("CUDA quantize kernels ready in %.1f s (%s)", _cuda_loaded, directory)
+    return _cuda_loaded
+
+
+def _build_or_load_cuda(directory: Path, key: dict[str, str]) -> None:
+    """``_build_or_import`` for the CUDA library: a plain shared library of operator
+    registrations (no Python module), loaded with ``torch.ops.load_library``."""
+    from torch.utils import cpp_extension  # noqa: PLC0415 - slow import, first use only
+
+    library = directory / f"{CUDA_NAME}{cpp_extension.LIB_EXT}"
+    stamp = directory / BUILT_STAMP
+    if stamp.exists() and library.exists():
+        torch.ops.load_library(str(library))
+        return
+    _say(
+        "building the CUDA quantize kernels (first use with this nvcc, torch and GPU; "
+        f"about a minute) in {directory}"
+    )
+    start = time.perf_counter()
+    try:
+        (directory / "lock").unlink(missing_ok=True)  # as in _build_or_import
+        sources = _copy_sources(directory / SOURCE_COPY, CUDA_SOURCES, CUDA_HEADERS)
+        with _ninja_on_path():
+            cpp_extension.load(
+                name=CUDA_NAME,
+                sources=[str(s) for s in sources],
+                extra_cflags=["-O3"],
+                extra_cuda_cflags=list(NVCC_FLAGS),
+                build_directory=str(directory),
+                is_python_module=False,  # loaded with torch.ops.load_library
+                with_cuda=True,
+                verbose=False,
+            )
+    except Exception:
+        _say(f"building the CUDA kernels failed after {time.perf_counter() - start:.1f} s")
+        raise
+    stamp.write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
+    _say(f"built the CUDA kernels in {time.perf_counter() - start:.1f} s")
+
+
+def cuda_ops() -> tuple[str, ...]:
+    """The operators of ``OPS`` that have a CUDA kernel registered (after ``load_cuda``;
+    none before): the dispatcher's own answer, so it is what was built."""
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    return tuple(name for name in OPS if has_kernel(f"{NAMESPACE}::{name}", "CUDA"))
+
+
+def warn_cuda_unavailable(reason: str) -> None:
+    warnings.warn(
+        "fastcast: the native CUDA quantize kernels could not be built, so the "
+        f"Inductor-compiled operators run on CUDA instead (more host time per call). "
+        f"Reason: {reason}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
 def entry_points() -> dict[str, Any]:
     """The operators' Python entry points by name (``bindings.cpp``: the registered
     operators called through the dispatcher, without ``torch.ops``' boxing); loads first."""
@@ -316,11 +477,20 @@ def warn_unavailable(reason: str) -> None:
 
 def main() -> int:
     """``python -m fastcast.kernels`` (``__main__.py``): build (or find) the library ahead of first
-    use; exit status 1 with the reason when it does not build."""
+    use, and the CUDA library where torch has CUDA and a GPU; exit status 1 with the
+    reason when one does not build."""
     try:
         seconds = load()
     except BuildError as exc:
         print(f"fastcast: the fused kernels do not build here: {exc}", file=sys.stderr)
         return 1
     print(f"fastcast: fused kernels ready in {build_dir()} ({seconds:.1f} s)")
+    if not cuda_torch():
+        return 0
+    try:
+        seconds = load_cuda()
+    except BuildError as exc:
+        print(f"fastcast: the CUDA kernels do not build here: {exc}", file=sys.stderr)
+        return 1
+    print(f"fastcast: CUDA kernels ready in {build_dir(cuda_build_key())} ({seconds:.1f} s)")
     return 0

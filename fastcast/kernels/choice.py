@@ -1,22 +1,27 @@
-"""Which quantize implementation runs: fused C++ operators on the CPU, Inductor-compiled
-operators on CUDA, or the PyTorch reference.
+"""Which quantize implementation runs: fused C++ operators on the CPU, native CUDA
+kernels or Inductor-compiled operators on CUDA, or the PyTorch reference.
 
 ``FASTCAST_KERNELS`` (``auto`` | ``fused`` | ``compiled`` | ``reference``), read once per
 device kind (see ``refresh``):
 
-- ``auto`` (default): CPU tensors get the C++ operators (``build``), CUDA tensors the
-  reference math compiled by Inductor into Triton kernels (``compiled``). Where those
-  are not to be had (the build fails; Triton is missing) the reference runs, after one
-  warning.
-- ``fused``: as ``auto``, but a missing implementation is an error, not a warning.
-- ``compiled``: the Inductor-compiled operators on every device (CPU included).
+- ``auto`` (default): CPU tensors get the C++ operators (``build``); CUDA tensors the
+  native CUDA kernels of the same operators (``build.load_cuda``: where torch has CUDA,
+  a GPU is present and nvcc is found), and for an operator without one (or when they do
+  not build, after one warning) the reference math compiled by Inductor into Triton
+  kernels (``compiled``). Where neither is to be had (the build fails; Triton is
+  missing) the reference runs, after one warning.
+- ``fused``: as ``auto``, but an operator with no fused implementation is an error, not
+  a warning.
+- ``compiled``: the Inductor-compiled operators on every device (CPU included): on a
+  GPU, the way to compare them with the native kernels.
 - ``reference``: the PyTorch reference everywhere.
 
 Other devices always run the reference. Nothing is built or compiled at import: the C++
-library on the first CPU quantize that could use it, each compiled operator at its first
-call. Under ``torch.compile`` the reference is what gets traced (``fastcast.compile``
-replaces ``fused_op`` there), so Inductor fuses it with its neighbours and no compiled
-operator is nested in the user's graph.
+library on the first CPU quantize that could use it, the CUDA library on the first CUDA
+quantize, each compiled operator at its first call. Under ``torch.compile`` the
+reference is what gets traced (``fastcast.compile`` replaces ``fused_op`` there), so
+Inductor fuses it with its neighbours and no compiled operator is nested in the user's
+graph.
 """
 
 from __future__ import annotations
@@ -103,20 +108,44 @@ def _resolve_cuda() -> dict[str, Any]:
     mode = kernels_mode()
     ops: dict[str, Any] = {}
     if mode != "reference":
+        # Native kernels where built (``compiled`` forces Inductor, so that a GPU run can
+        # compare the two); Inductor's compiled operators for every op without one.
+        native = _native_cuda_ops() if mode != "compiled" else {}
+        compiled: dict[str, Any] = {}
         reason = _triton_missing()
         if reason is None:
-            ops = _compiled_ops()
+            compiled = _compiled_ops()
+        elif mode == "compiled" or (mode == "fused" and set(native) != set(build.OPS)):
+            raise RuntimeError(f"fastcast: FASTCAST_KERNELS={mode} but {reason}")
         else:
-            if mode != "auto":
-                raise RuntimeError(f"fastcast: FASTCAST_KERNELS={mode} but {reason}")
             warnings.warn(
                 f"fastcast: the compiled CUDA quantize kernels are unavailable ({reason}), "
-                "so the (slower) PyTorch reference path runs instead",
+                "so the (slower) PyTorch reference path runs instead"
+                + (" for the operators without a native CUDA kernel" if native else ""),
                 RuntimeWarning,
                 stacklevel=4,
             )
+        ops = {**compiled, **native}
     _cuda_ops = ops
     return ops
+
+
+def _native_cuda_ops() -> dict[str, Any]:
+    """The entry points of the operators with a native CUDA kernel (``build.load_cuda``:
+    the same entry points as on the CPU, which the dispatcher routes by device), or {}:
+    silently where torch has no CUDA build or no GPU (a CPU install, simulated CUDA),
+    after one warning where the kernels do not build (no nvcc, a compile error)."""
+    if not build.cuda_torch():
+        return {}
+    try:
+        build.load_cuda()
+        entry_points = build.entry_points()
+    except build.BuildError as exc:
+        build.warn_cuda_unavailable(str(exc))
+        return {}
+    from . import fake  # noqa: F401, PLC0415 - needs the library's schemas
+
+    return {name: entry_points[name] for name in build.cuda_ops()}
 
 
 def _cpp_ops(required: bool) -> dict[str, Any]:

@@ -59,9 +59,10 @@ def test_the_wheel_ships_every_file_the_build_reads():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     patterns = config["tool"]["setuptools"]["package-data"]["fastcast"]
     package = ROOT / "fastcast"
-    on_disk = {p.relative_to(package).as_posix() for p in build.CSRC.iterdir() if p.is_file()}
-    read = {p.relative_to(package).as_posix() for p in (*build.SOURCES, *build.HEADERS)}
-    assert on_disk == read, "csrc/ and build.SOURCES/HEADERS disagree"
+    on_disk = {p.relative_to(package).as_posix() for p in build.CSRC.rglob("*") if p.is_file()}
+    files = (*build.SOURCES, *build.HEADERS, *build.CUDA_SOURCES, *build.CUDA_HEADERS)
+    read = {p.relative_to(package).as_posix() for p in files}
+    assert on_disk == read, "csrc/ and build.SOURCES/HEADERS/CUDA_SOURCES/CUDA_HEADERS disagree"
     shipped = {f for f in read if any(fnmatch.fnmatch(f, p) for p in patterns)}
     assert shipped == read, f"not in the wheel: {sorted(read - shipped)}"
 

@@ -185,43 +185,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& input, int6
 
 // ---- MXFP8 ----------------------------------------------------------------------------
 
-struct MxParams {
-  float fmt_max;
-  bool ocp;
-  int32_t emax_elem;      // exponent of the largest normal element value (ocp; X's cap)
-  float fmt_mantissa;     // rceil: fmt_max = fmt_mantissa * 2**fmt_exponent (frexp)
-  int32_t fmt_exponent;
-};
-
+// MxParams, shared_exponent and power_of_2 (the E8M0 arithmetic) are in element.h.
 template <typename F8>
 MxParams mx_params(bool ocp) {
-  MxParams p{fmt_max_of<F8>(), ocp, std::is_same_v<F8, c10::Float8_e4m3fn> ? 8 : 15, 0.0f, 0};
-  p.fmt_mantissa = std::frexp(p.fmt_max, &p.fmt_exponent);
-  return p;
-}
-
-// shared_exponent (mx.py) of a finite amax >= 0, from its exponent field E. frexp gives
-// amax = mant * 2**(E - 126), mant in [0.5, 1), for a normal amax, so
-//   ocp:   X = (E - 126) - 1 - emax_elem,
-//   rceil: X = (E - 126) - fmt_exponent + (mant > fmt_mantissa).
-// An amax below the smallest normal (0 included) gives X < -127 under both rules (frexp's
-// exponent is at most -126 there), so -127, which is also the reference's X for 0.
-inline int32_t shared_exponent(float amax, const MxParams& p) {
-  const uint32_t b = bits_of(amax);
-  const int32_t field = static_cast<int32_t>(b >> 23);
-  const int32_t e = field - 126;
-  const float mant = float_of((126u << 23) | (b & 0x7FFFFFu));
-  const int32_t up = mant > p.fmt_mantissa ? 1 : 0;
-  const int32_t x = p.ocp ? e - 1 - p.emax_elem : e - p.fmt_exponent + up;
-  // At most 127 - emax_elem (mx.py's x_max): fmt_max * 2**X must stay finite. Only rceil
-  // reaches past it, for an amax above fmt_max * 2**x_max.
-  return field == 0 ? -127 : std::clamp(x, -127, 127 - p.emax_elem);
-}
-
-// 2**n as FP32 for n in [-127, 127] (power_of_2 in mx.py): 2**-127 is the subnormal
-// 0x00400000, the rest have a zero mantissa.
-inline float power_of_2(int32_t n) {
-  return float_of(n >= -126 ? static_cast<uint32_t>(n + 127) << 23 : 1u << 22);
+  return fastcast::mx_params(std::is_same_v<F8, c10::Float8_e4m3fn>, ocp);
 }
 
 // Blocks [0, n) of 32 consecutive elements from x: each one's amax over its finite
