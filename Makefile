@@ -63,6 +63,7 @@ bench-compare: $(BENCH_TOOLS)
 # README's benchmark tables and the charts it shows, from the committed sample.
 readme: $(BENCH_TOOLS)
 	$(PY) -m bench.readme
+	$(PY) -m bench.gpu_tables
 	$(PY) -m bench.charts --sample
 
 # py-spy flamegraph (SVG) and speedscope JSON of the training step, in profiles/out/.

@@ -1,10 +1,13 @@
 """Render the GPU tables of README.md and docs/cuda.md from the committed gpu-check run.
 
-``bench/results/gpu/gpu_check.json`` is what ``make gpu-check`` wrote on a lent GPU
-(device, driver, torch and CUDA named in its ``env`` part). The pages hold generated
-blocks between ``<!-- gpu:NAME -->`` and ``<!-- /gpu:NAME -->``; ``python -m
-bench.gpu_tables`` rewrites them and leaves every other line alone (``--check``: exit 1
-when a page is not what the data renders). ``make readme`` runs it.
+``bench/results/gpu/<device>-run<N>.json`` are what ``make gpu-check`` wrote on lent
+GPUs (``gpu_check.json``; device, driver, torch, CUDA and fastcast's commit in each
+run's ``env`` part). Each table comes from the newest run that has its part, and says
+which run and commit that is (a part that ran out of time leaves the table to an
+earlier run). The pages hold generated blocks between ``<!-- gpu:NAME -->`` and
+``<!-- /gpu:NAME -->``; ``python -m bench.gpu_tables`` rewrites them and leaves every
+other line alone (``--check``: exit 1 when a page is not what the data renders).
+``make readme`` runs it.
 """
 
 from __future__ import annotations
@@ -18,24 +21,62 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / "bench" / "results" / "gpu" / "gpu_check.json"
+RESULTS = ROOT / "bench" / "results" / "gpu"
 PAGES = (ROOT / "README.md", ROOT / "docs" / "cuda.md")
 RECIPES = ("delayed", "current", "rowwise", "block", "mxfp8", "nvfp4")
 QUANTIZERS = ("current", "rowwise", "block", "mxfp8", "nvfp4_plain", "nvfp4")
 
 
-def _part(data: dict[str, Any], name: str) -> dict[str, Any]:
-    result = data.get(name, {}).get("result")
-    return result if isinstance(result, dict) else {}
+def load_runs(folder: Path = RESULTS) -> list[dict[str, Any]]:
+    """The runs, oldest first (``*-run<N>.json`` by N), each with its file name."""
+
+    def number(path: Path) -> int:
+        return int(re.search(r"run(\d+)\.json$", path.name).group(1))
+
+    runs = []
+    for path in sorted(folder.glob("*-run*.json"), key=number):
+        data = json.loads(path.read_text())
+        data["_file"] = path.name
+        runs.append(data)
+    return runs
 
 
-def device_line(data: dict[str, Any]) -> str:
+def _part(data: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The newest result of part ``name`` (empty when no run has one)."""
+    return _part_and_run(data, name)[0]
+
+
+def _part_and_run(data: list[dict[str, Any]], name: str) -> tuple[dict[str, Any], str]:
+    for run in reversed(data):
+        result = run.get(name, {}).get("result")
+        if isinstance(result, dict) and result:
+            env = run.get("env", {}).get("result", {})
+            return result, f"{run['_file']}, fastcast {env.get('commit')}"
+    return {}, ""
+
+
+def device_line(data: list[dict[str, Any]]) -> str:
     env = _part(data, "env")
     return (
         f"{env.get('device')} (sm{str(env.get('capability', '')).replace('.', '')}, "
         f"{env.get('sms')} SMs), driver {env.get('driver')}, torch {env.get('torch')}, "
-        f"CUDA {env.get('cuda')}, Triton {env.get('triton')}; fastcast {env.get('commit')}"
+        f"CUDA {env.get('cuda')}, Triton {env.get('triton')}"
     )
+
+
+def _routing(data: list[dict[str, Any]], name: str) -> str:
+    """What ran the quantize operators in the run that has part ``name``."""
+    run_name = _part_and_run(data, name)[1].split(",")[0]
+    run = next((r for r in data if r["_file"] == run_name), {})
+    routing = run.get("build", {}).get("result", {}).get("cuda_routing", {})
+    native = sorted(op for op, impl in routing.items() if "inductor" not in impl)
+    if not native:
+        return "Every quantize operator Inductor-compiled"
+    return f"Native CUDA kernels for {', '.join(native)}; Inductor for the rest"
+
+
+def _source(data: list[dict[str, Any]], name: str) -> str:
+    return f"(`bench/results/gpu/{_part_and_run(data, name)[1]}`)"
 
 
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:
@@ -50,22 +91,25 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
 def _cell(entry: Any, key: str, fmt: str) -> str:
     if isinstance(entry, dict) and key in entry:
         return format(entry[key], fmt)
-    return "n/a" if entry is None else str(entry)[:40]
+    if entry is None:
+        return "n/a"
+    return f"failed ({str(entry).split(':')[0]})"  # the run recorded an error
 
 
-def tests_block(data: dict[str, Any]) -> list[str]:
+def tests_block(data: list[dict[str, Any]]) -> list[str]:
     rows = []
     for name, what in (("pytest_gpu", "`pytest -m gpu`"), ("suite", "the whole suite")):
-        result = _part(data, name)
+        result, run = _part_and_run(data, name)
         if result:
             counts = result.get("counts", {})
+            note = "stopped at its time limit; " if "incomplete" in counts else ""
             rows.append(
                 [
                     what,
                     str(counts.get("passed", 0)),
                     str(counts.get("failed", 0) + counts.get("errors", 0)),
                     str(counts.get("skipped", 0)),
-                    "" if "incomplete" not in counts else "stopped at its time limit",
+                    f"{note}`bench/results/gpu/{run}`",
                 ]
             )
     parity = _part(data, "parity")
@@ -80,7 +124,7 @@ def tests_block(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def host_block(data: dict[str, Any]) -> list[str]:
+def host_block(data: list[dict[str, Any]]) -> list[str]:
     host = _part(data, "host_time")
     if not host:
         return ["(no host-time figures in this run)"]
@@ -94,12 +138,11 @@ def host_block(data: dict[str, Any]) -> list[str]:
             entry = host.get(f"{recipe}/{mode}", {})
             row.append(f"{entry.get('us', 0):.0f} ({entry.get('ratio', 0):.1f}x)")
         rows.append(row)
-    return [f"`nn.Linear` 64x64 bf16 forward+backward: {base:.0f} µs of host time.", ""] + (
-        _table(head, rows)
-    )
+    intro = f"`nn.Linear` 64x64 bf16 forward+backward: {base:.0f} µs of host time "
+    return [intro + f"{_source(data, 'host_time')}.", ""] + _table(head, rows)
 
 
-def quantize_block(data: dict[str, Any]) -> list[str]:
+def quantize_block(data: list[dict[str, Any]]) -> list[str]:
     bw = _part(data, "bandwidth")
     sizes = [k for k in bw if "x" in k and isinstance(bw[k], dict)]
     if not sizes:
@@ -117,10 +160,10 @@ def quantize_block(data: dict[str, Any]) -> list[str]:
                 e = bw[s].get(f"{q}/{m}")
                 row.append("n/a" if not e else f"{e['GBps']:.0f} GB/s ({e['of_copy']:.0%})")
         rows.append(row)
-    return _table(head, rows)
+    return [*_table(head, rows), "", f"{_routing(data, 'bandwidth')} {_source(data, 'bandwidth')}."]
 
 
-def llama_block(data: dict[str, Any]) -> list[str]:
+def llama_block(data: list[dict[str, Any]]) -> list[str]:
     llama = _part(data, "llama")
     if not llama:
         return ["(no Llama-block figures in this run)"]
@@ -128,13 +171,15 @@ def llama_block(data: dict[str, Any]) -> list[str]:
     for name in (*RECIPES, "torchao_tensorwise", "torchao_rowwise"):
         entry = llama.get(name)
         if entry is not None:
-            rows.append([name, _cell(entry, "ms", ".2f"), _cell(entry, "vs_bf16", ".2f") + "x"])
-    return [f"{llama['shape']}, forward+backward, eager:", ""] + _table(
-        ["recipe", "ms", "vs BF16"], rows
-    )
+            ratio = _cell(entry, "vs_bf16", ".2f")
+            rows.append(
+                [name, _cell(entry, "ms", ".2f"), ratio + ("x" if ratio[0].isdigit() else "")]
+            )
+    head = f"{llama['shape']}, forward+backward, eager {_source(data, 'llama')}:"
+    return [head, ""] + _table(["recipe", "ms", "vs BF16"], rows)
 
 
-BLOCKS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+BLOCKS: dict[str, Callable[[list[dict[str, Any]]], list[str]]] = {
     "tests": tests_block,
     "host": host_block,
     "quantize": quantize_block,
@@ -142,7 +187,7 @@ BLOCKS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
 }
 
 
-def render(text: str, data: dict[str, Any]) -> str:
+def render(text: str, data: list[dict[str, Any]]) -> str:
     def block(match: re.Match[str]) -> str:
         name = match.group(1)
         body = "\n".join(BLOCKS[name](data))
@@ -155,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
-    data = json.loads(DATA.read_text())
+    data = load_runs()
     stale = []
     for page in PAGES:
         text = page.read_text()
@@ -165,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.check:
                 page.write_text(new)
     if args.check and stale:
-        print(f"not what {DATA.name} renders: {', '.join(stale)} (run make readme)")
+        print(f"not what bench/results/gpu renders: {', '.join(stale)} (run make readme)")
         return 1
     return 0
 

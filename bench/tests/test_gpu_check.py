@@ -55,3 +55,32 @@ def test_the_summary_reports_results_errors_and_timeouts(tmp_path):
     assert "timed out after 60 s" in md
     assert "'failed': 1" in md
     assert json.loads((tmp_path / "gpu_check.json").read_text())["gemm"]["seconds"] == 1.0
+
+
+def test_the_gpu_tables_in_the_pages_are_what_the_committed_runs_render():
+    """README.md and docs/cuda.md hold the tables bench.gpu_tables renders from
+    bench/results/gpu (make readme); rendering again changes nothing."""
+    from bench import gpu_tables
+
+    runs = gpu_tables.load_runs()
+    assert runs, "no committed gpu-check run"
+    for page in gpu_tables.PAGES:
+        text = page.read_text()
+        assert "<!-- gpu:tests -->" in text
+        assert gpu_tables.render(text, runs) == text, f"{page.name}: run make readme"
+
+
+def test_each_table_cites_the_run_it_comes_from(tmp_path):
+    from bench import gpu_tables
+
+    old = {
+        "env": {"result": {"commit": "aaa"}},
+        "llama": {"result": {"shape": "s", "bf16_ms": 2.0}},
+    }
+    new = {"env": {"result": {"commit": "bbb"}}, "llama": {"result": None}}
+    (tmp_path / "x-run1.json").write_text(json.dumps(old))
+    (tmp_path / "x-run2.json").write_text(json.dumps(new))
+    runs = gpu_tables.load_runs(tmp_path)
+    assert [r["_file"] for r in runs] == ["x-run1.json", "x-run2.json"]
+    lines = gpu_tables.llama_block(runs)
+    assert "x-run1.json, fastcast aaa" in lines[0]  # the newest run that has the part
