@@ -1,10 +1,14 @@
-"""Loading ``fc.Linear`` state with torch.distributed.checkpoint (DCP), whatever its size.
+"""Loading ``fc.Linear`` state with torch.distributed.checkpoint (DCP), whatever its layout.
 
-DCP loads in place: each tensor of the target state dict must already have the size that
-was saved. An ``fc.Linear``'s ``_extra_state`` has a size that depends on its state (the
-16-value stateless header, or header + scales + amax history of a DelayedScaling run with
-some ``amax_history_len``), so a target built differently (converted without
-``recipe=``, or with another history length) fails with DCP's "Size mismatch" error.
+DCP loads in place: each tensor of the target state dict must already be there, with the
+size that was saved, and DCP reads nothing else. An ``fc.Linear`` has an
+``_extra_state`` entry only while it keeps state (DelayedScaling's scales and amax
+history, whose size depends on ``amax_history_len``); stateless recipes save plain state
+dicts, and earlier fastcast versions saved a 16-value header for them. So a target built
+differently from the saver (converted without ``recipe=``, for another recipe, or with
+another history length) either fails in DCP ("Size mismatch", "Missing key") or, for a
+delayed-scaling checkpoint loaded into a target without extra-state entries, silently
+reads no scales.
 
 ``load`` is the whole flow, all or nothing::
 
@@ -23,12 +27,16 @@ entry), then loads with ``LoadPlanner``. Errors are ordinary exceptions: DCP's o
 misses; ``load`` raises the ``ValueError`` inside it, or a ``CheckpointLoadError``
 (a ``RuntimeError``) for anything else.
 
-``LoadPlanner``, for code that calls ``dcp.load`` itself, replaces each extra-state entry
-of the target whose size differs by an empty tensor of the saved size before DCP plans its
-reads (``load_state_dict`` then decodes, validates and installs the saved state), reads
-the extra states before the other entries of each file, and validates each as it is read.
-(With the default planner no fastcast code runs inside ``dcp.load``: its size mismatch
-is DCP's ``CheckpointException``.)
+``LoadPlanner``, for code that calls ``dcp.load`` itself, fits the target's extra-state
+entries to the checkpoint before DCP plans its reads (``fit_extra_states``): it sizes
+each as saved, adds the ones the checkpoint holds state for (next to a ``weight`` the
+target has), and removes the ones the checkpoint has none for; ``load_state_dict`` then
+does what it does with a state dict file of that checkpoint (installs the scales, starts
+them afresh, or reports the entries as unexpected keys of layers converted for a
+stateless recipe: ``fc.Linear._load_from_state_dict``). It reads the extra states before
+the other entries of each file, and validates each as it is read. (With the default
+planner no fastcast code runs inside ``dcp.load``: its mismatches are DCP's
+``CheckpointException``, and scales the target has no entry for are not read.)
 
 This module imports ``torch.distributed.checkpoint``; ``import fastcast`` does not.
 """
@@ -52,6 +60,7 @@ from .serialization.extra_state import (
     decode_extra_state,
     is_extra_state_entry,
 )
+from .serialization.state_format import HEADER
 
 __all__ = [
     "CheckpointLoadError",
@@ -137,19 +146,47 @@ def _saved_extra_size(metadata: Metadata, fqn: str) -> torch.Size | None:
 
 
 def fit_extra_states(state_dict: MutableMapping[str, Any], metadata: Metadata) -> list[str]:
-    """Replace, in place, every ``fc.Linear`` extra state of ``state_dict`` (nested
-    mappings, as DCP flattens them: keys joined by ".") whose saved size differs by an
-    empty float32 tensor of the saved size; return the keys replaced. Entries that are not
-    fastcast's, or that were saved as anything but a float32 tensor, are left to DCP."""
-    replaced = []
-    for mapping, key, fqn, value in _entries(state_dict):
-        if not is_extra_state_entry(fqn, value):
-            continue
-        size = _saved_extra_size(metadata, fqn)
-        if size is not None and size != value.shape:
+    """Fit, in place, the ``fc.Linear`` extra-state entries of ``state_dict`` (nested
+    mappings, as DCP flattens them: keys joined by ".") to the checkpoint ``metadata``
+    describes; return the fqns changed:
+
+    - an entry saved with another size becomes an empty float32 tensor of the saved size;
+    - an entry the checkpoint lacks (a plain checkpoint, or one of a stateless recipe) is
+      removed: ``load_state_dict`` then starts that layer's scales afresh;
+    - a state the checkpoint holds (more than the 16-value stateless header an earlier
+      fastcast saved), next to a ``weight`` of the target that has no entry, is added as
+      an empty tensor of the saved size.
+
+    Entries that are not fastcast's, or that were saved as anything but a 1-D float32
+    tensor, are left to DCP."""
+    changed = []
+    for action, mapping, key, fqn, size in _fits(state_dict, metadata):
+        if action == "remove":
+            del mapping[key]
+        else:
             mapping[key] = torch.empty(size, dtype=torch.float32)
-            replaced.append(fqn)
-    return replaced
+        changed.append(fqn)
+    return changed
+
+
+def _fits(state_dict: MutableMapping[str, Any], metadata: Metadata) -> list[tuple[Any, ...]]:
+    """What ``fit_extra_states`` changes: ``(action, mapping, key, fqn, size)`` per entry,
+    ``action`` one of "resize", "remove", "add"; changes nothing."""
+    fits = []
+    for mapping, key, fqn, value in _entries(state_dict):
+        if is_extra_state_entry(fqn, value):
+            size = _saved_extra_size(metadata, fqn)
+            if fqn not in metadata.state_dict_metadata:
+                fits.append(("remove", mapping, key, fqn, None))
+            elif size is not None and size != value.shape:
+                fits.append(("resize", mapping, key, fqn, size))
+        elif key == "weight" or key.endswith(".weight"):
+            extra_key = key[: -len("weight")] + EXTRA_STATE_KEY
+            extra_fqn = fqn[: -len("weight")] + EXTRA_STATE_KEY
+            size = _saved_extra_size(metadata, extra_fqn)
+            if extra_key not in mapping and size is not None and size[0] > HEADER:
+                fits.append(("add", mapping, extra_key, extra_fqn, size))
+    return fits
 
 
 def load(
@@ -187,9 +224,15 @@ def load(
     saved = metadata.state_dict_metadata
     problems = []
     extra: dict[str, torch.Tensor] = {}
+    fits = {fqn: (action, size) for action, _, _, fqn, size in _fits(state_dict, metadata)}
+    for fqn, (action, size) in fits.items():
+        if action == "add":
+            extra[fqn] = torch.empty(size, dtype=torch.float32)
     for _, _, fqn, value in _entries(state_dict):
         if is_extra_state_entry(fqn, value):
             size = _saved_extra_size(metadata, fqn)
+            if fqn in fits and fits[fqn][0] == "remove":
+                continue
             if size is not None:
                 extra[fqn] = torch.empty(size, dtype=torch.float32)
                 continue

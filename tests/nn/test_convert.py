@@ -213,15 +213,20 @@ def test_hooks_mode_and_requires_grad_survive():
     assert calls == ["pre", "fwd", "pre"]
 
 
-def test_state_dict_keys_gain_only_extra_state():
+def test_state_dict_keys_stay_plain_but_for_delayed_scaling():
     net = Net()
     old_sd = copy.deepcopy(net.state_dict())
     fc.convert(net)
-    new_keys = set(net.state_dict())
+    assert list(net.state_dict()) == list(old_sd)  # nothing to save yet: plain keys
+    fc.convert(net, recipe=fc.Float8CurrentScaling())
+    assert list(net.state_dict()) == list(old_sd)
     converted = [n for n, m in net.named_modules() if isinstance(m, fc.Linear)]
-    assert new_keys == set(old_sd) | {f"{n}._extra_state" for n in converted}
-    # A checkpoint of the unconverted model loads, strict=True included.
-    result = net.load_state_dict(old_sd, strict=True)
+    fc.convert(net, recipe=fc.DelayedScaling())  # its layout up front
+    assert set(net.state_dict()) == set(old_sd) | {f"{n}._extra_state" for n in converted}
+    # A checkpoint of the unconverted model loads, strict=True included (the scales
+    # start afresh, which a warning says).
+    with pytest.warns(UserWarning, match="start afresh"):
+        result = net.load_state_dict(old_sd, strict=True)
     assert result.missing_keys == [] and result.unexpected_keys == []
 
 
