@@ -95,7 +95,7 @@ def _run(config: str) -> dict[str, float]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 
     recipe, quantized, param_dtype = CONFIGS[config]
-    model = fc.convert(_model(), recipe=recipe, quantized_all_gather=quantized)
+    model = fc.convert(_model(), recipe=recipe, quantized_all_gather=quantized, keep_head=False)
     mesh = init_device_mesh("cpu", (WORLD,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for m in model:

@@ -1,11 +1,15 @@
-"""Loading ``fc.Linear`` state with torch.distributed.checkpoint (DCP), whatever its size,
+"""Loading ``fc.Linear`` state with torch.distributed.checkpoint (DCP), whatever its layout,
 without running anything the checkpoint holds.
 
-DCP loads in place: each tensor of the target state dict must already have the size that
-was saved. An ``fc.Linear``'s ``_extra_state`` has a size that depends on its state (the
-16-value stateless header, or header + scales + amax history of a DelayedScaling run with
-some ``amax_history_len``), so a target built differently (converted without
-``recipe=``, or with another history length) fails with DCP's "Size mismatch" error.
+DCP loads in place: each tensor of the target state dict must already be there, with the
+size that was saved, and DCP reads nothing else. An ``fc.Linear`` has an
+``_extra_state`` entry only while it keeps state (DelayedScaling's scales and amax
+history, whose size depends on ``amax_history_len``); stateless recipes save plain state
+dicts, and earlier fastcast versions saved a 16-value header for them. So a target built
+differently from the saver (converted without ``recipe=``, for another recipe, or with
+another history length) either fails in DCP ("Size mismatch", "Missing key") or, for a
+delayed-scaling checkpoint loaded into a target without extra-state entries, silently
+reads no scales.
 
 ``load`` is the whole flow, all or nothing::
 
@@ -27,17 +31,21 @@ derives from ``BaseException``, which ``except Exception`` misses; ``load`` rais
 ``ValueError`` inside it, or a ``CheckpointLoadError`` (a ``RuntimeError``) for anything
 else. A refused ``.metadata`` is a ``CheckpointMetadataError`` (a ``ValueError``).
 
-``LoadPlanner``, for code that calls ``dcp.load`` itself, replaces each extra-state entry
-of the target whose size differs by an empty tensor of the saved size before DCP plans its
-reads (``load_state_dict`` then decodes, validates and installs the saved state), reads
-the extra states before the other entries of each file, validates each as it is read,
-and reads entries saved as bytes with fastcast's restricted unpickler (DCP's planner
-gives them to ``torch.load(weights_only=False)``). It cannot make the metadata safe: DCP
-reads it (``storage_reader.read_metadata()``) before the planner is called, so pass
+``LoadPlanner``, for code that calls ``dcp.load`` itself, fits the target's extra-state
+entries to the checkpoint before DCP plans its reads (``fit_extra_states``): it sizes
+each as saved, adds the ones the checkpoint holds state for (next to a ``weight`` the
+target has), and removes the ones the checkpoint has none for; ``load_state_dict`` then
+does what it does with a state dict file of that checkpoint (installs the scales, starts
+them afresh, or reports the entries as unexpected keys of layers converted for a
+stateless recipe: ``fc.Linear._load_from_state_dict``). It reads the extra states before
+the other entries of each file, validates each as it is read, and reads entries saved as
+bytes with fastcast's restricted unpickler (DCP's planner gives them to
+``torch.load(weights_only=False)``). It cannot make the metadata safe: DCP reads it
+(``storage_reader.read_metadata()``) before the planner is called, so pass
 ``storage_reader=SafeFileSystemReader(path)`` with it; with ``checkpoint_id`` alone DCP
 makes its own ``FileSystemReader``, whose ``pickle.load`` runs whatever the file holds.
-(With the default planner no fastcast code runs inside ``dcp.load``: its size mismatch
-is DCP's ``CheckpointException``.)
+(With the default planner no fastcast code runs inside ``dcp.load``: its mismatches are
+DCP's ``CheckpointException``, and scales the target has no entry for are not read.)
 
 This module imports ``torch.distributed.checkpoint``; ``import fastcast`` does not.
 """
@@ -70,6 +78,7 @@ from .serialization.extra_state import (
     decode_extra_state,
     is_extra_state_entry,
 )
+from .serialization.state_format import HEADER
 
 __all__ = [
     "CheckpointLoadError",
@@ -192,12 +201,13 @@ class LoadPlanner(DefaultLoadPlanner):
         metadata: Metadata | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        # The entries that are fc.Linear extra states, before fitting replaces them.
+        # The entries that are fc.Linear extra states, before fitting replaces them, and
+        # those fitting adds.
         self._fc_extra = {
             fqn for _, _, fqn, value in _entries(state_dict) if is_extra_state_entry(fqn, value)
         }
         if metadata is not None:
-            fit_extra_states(state_dict, metadata)
+            self._fc_extra.update(fit_extra_states(state_dict, metadata))
         super().set_up_planner(state_dict, metadata, is_coordinator)
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
@@ -295,22 +305,57 @@ def _stored_bytes(metadata: Metadata, fqn: str, entry: TensorStorageMetadata) ->
 
 
 def fit_extra_states(state_dict: MutableMapping[str, Any], metadata: Metadata) -> list[str]:
-    """Replace, in place, every ``fc.Linear`` extra state of ``state_dict`` (nested
-    mappings, as DCP flattens them: keys joined by ".") whose saved tensor has another
-    size or dtype by an empty tensor of the saved size and dtype; return the keys
-    replaced. Entries that are not fastcast's, and extra states saved as bytes (which DCP
-    reads whatever the target), are left to DCP."""
-    replaced = []
+    """Fit, in place, the ``fc.Linear`` extra-state entries of ``state_dict`` (nested
+    mappings, as DCP flattens them: keys joined by ".") to the checkpoint ``metadata``
+    describes; return the fqns changed:
+
+    - an entry saved with another size or dtype becomes an empty tensor of the saved ones;
+    - an entry the checkpoint lacks (a plain checkpoint, or one of a stateless recipe) is
+      removed: ``load_state_dict`` then starts that layer's scales afresh;
+    - a state the checkpoint holds (more than the 16-value stateless header an earlier
+      fastcast saved), next to a ``weight`` of the target that has no entry, is added as
+      an empty tensor of the saved size.
+
+    Entries that are not fastcast's, and extra states saved as bytes (which DCP reads
+    whatever the target), are left to DCP."""
+    changed = []
+    for action, mapping, key, fqn, placeholder in _fits(state_dict, metadata):
+        if action == "remove":
+            del mapping[key]
+        else:
+            mapping[key] = placeholder
+        changed.append(fqn)
+    return changed
+
+
+def _fits(state_dict: MutableMapping[str, Any], metadata: Metadata) -> list[tuple[Any, ...]]:
+    """What ``fit_extra_states`` changes: ``(action, mapping, key, fqn, placeholder)`` per
+    entry, ``action`` one of "resize", "remove", "add"; changes nothing."""
+    fits = []
     for mapping, key, fqn, value in _entries(state_dict):
-        if not is_extra_state_entry(fqn, value):
-            continue
-        saved = _saved_extra_state(metadata, fqn)
-        if isinstance(saved, torch.Tensor) and (
-            saved.shape != value.shape or saved.dtype != value.dtype
-        ):
-            mapping[key] = saved
-            replaced.append(fqn)
-    return replaced
+        if is_extra_state_entry(fqn, value):
+            if fqn not in metadata.state_dict_metadata:
+                fits.append(("remove", mapping, key, fqn, None))
+                continue
+            saved = _saved_extra_state(metadata, fqn)
+            if isinstance(saved, torch.Tensor) and (
+                saved.shape != value.shape or saved.dtype != value.dtype
+            ):
+                fits.append(("resize", mapping, key, fqn, saved))
+        elif key == "weight" or key.endswith(".weight"):
+            extra_key = key[: -len("weight")] + EXTRA_STATE_KEY
+            extra_fqn = fqn[: -len("weight")] + EXTRA_STATE_KEY
+            if extra_key in mapping:
+                continue
+            saved = _saved_extra_state(metadata, extra_fqn)
+            if (
+                isinstance(saved, torch.Tensor)
+                and saved.dtype == torch.float32
+                and saved.dim() == 1
+                and saved.shape[0] > HEADER
+            ):
+                fits.append(("add", mapping, extra_key, extra_fqn, saved))
+    return fits
 
 
 def load(
@@ -352,9 +397,16 @@ def load(
     problems = []
     first: dict[str, Any] = {}  # read and validated before anything else
     extra: list[str] = []  # the fc.Linear extra states among them
+    fits = {fqn: (action, held) for action, _, _, fqn, held in _fits(state_dict, metadata)}
+    for fqn, (action, held) in fits.items():
+        if action == "add":  # a saved state the target has no entry for yet
+            first[fqn] = held
+            extra.append(fqn)
     for fqn, value in _flattened(state_dict).items():
         entry = saved.get(fqn)
         if is_extra_state_entry(fqn, value):
+            if fits.get(fqn, ("",))[0] == "remove":  # nothing saved: starts afresh
+                continue
             placeholder = _saved_extra_state(metadata, fqn)
             if placeholder is not None:
                 first[fqn] = placeholder

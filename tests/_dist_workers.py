@@ -736,7 +736,7 @@ class CountingAllGather:
 def _fp8ag_model(recipe_name: str, quantized: bool, sharded: bool) -> nn.Module:
     # (A recipe object of its own: the autocast's is another, equal one.)
     recipe = RECIPES[recipe_name]()
-    model = fc.convert(make_mlp(), recipe=recipe, quantized_all_gather=quantized)
+    model = fc.convert(make_mlp(), recipe=recipe, quantized_all_gather=quantized, keep_head=False)
     return _fully_shard(model) if sharded else model
 
 
@@ -842,7 +842,7 @@ def _fp8ag_refusals() -> dict[str, str]:
     for name, recipe in (("custom", custom), ("none", None)):
         model = nn.Sequential(nn.Linear(WIDTH, WIDTH))
         try:
-            fc.convert(model, recipe=recipe, quantized_all_gather=True)
+            fc.convert(model, recipe=recipe, quantized_all_gather=True, keep_head=False)
             out[name] = ""
         except (ValueError, NotImplementedError) as e:
             out[name] = f"{type(e).__name__}: {e}"
@@ -1147,7 +1147,9 @@ def qag_run(
 
     recipe = QAG_RECIPES[recipe_name]()
     sharded = rank is not None
-    model = fc.convert(make_qag_mlp(), recipe=recipe, quantized_all_gather=quantized)
+    model = fc.convert(
+        make_qag_mlp(), recipe=recipe, quantized_all_gather=quantized, keep_head=False
+    )
     if sharded:
         model = _fully_shard(model)
     # FSDP2 averages the ranks' gradients, one process sums them: lr * world.
@@ -1249,7 +1251,9 @@ def qag_bf16(recipe_name: str, quantized: bool, rank: int, world: int) -> dict[s
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 
     recipe = QAG_RECIPES[recipe_name]()
-    model = fc.convert(make_qag_mlp(), recipe=recipe, quantized_all_gather=quantized)
+    model = fc.convert(
+        make_qag_mlp(), recipe=recipe, quantized_all_gather=quantized, keep_head=False
+    )
     mesh = init_device_mesh("cpu", (world,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for m in fc_linears(model):

@@ -34,8 +34,9 @@ def is_hf_conv1d(module: nn.Module) -> bool:
 
 class Conv1D(Linear):
     """Drop-in for transformers' ``Conv1D(nf, nx)``: ``weight`` ``[nx, nf]`` (in, out),
-    ``bias`` ``[nf]``, the same state-dict keys plus ``_extra_state``, and the attributes
-    ``nf``/``nx`` (also as ``out_features``/``in_features``).
+    ``bias`` ``[nf]``, the same state-dict keys (plus ``_extra_state`` only while it keeps
+    DelayedScaling state, as ``fc.Linear``), and the attributes ``nf``/``nx`` (also as
+    ``out_features``/``in_features``).
 
     Outside ``fc.autocast`` it computes what transformers' ``Conv1D`` computes; inside,
     its GEMMs are ``fc.Linear``'s on ``weight.t()`` (everything ``fc.Linear`` documents

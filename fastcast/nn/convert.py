@@ -30,6 +30,7 @@ def convert(
     *,
     recipe: Recipe | None = None,
     quantized_all_gather: bool = False,
+    keep_head: bool | None = None,
 ) -> nn.Module:
     """Turn every ``nn.Linear`` below ``module`` into an ``fc.Linear``, and every
     transformers ``Conv1D`` (GPT-2's layers) into an ``fc.Conv1D``, in place (the same
@@ -60,6 +61,15 @@ def convert(
     state that recipe keeps (``Linear.prepare_state``), so a freshly built model has the
     state-dict layout of a trained one: what DCP, which loads in place, needs to resume.
 
+    ``keep_head``: whether the output head, the last ``nn.Linear``/``Conv1D`` layer (as
+    ``keep_high_precision(module)`` counts; a language model's ``lm_head``), stays in
+    high precision, whatever ``module_filter_fn`` says of it. ``None``, the default,
+    leaves it to the recipe: kept under ``NVFP4BlockScaling`` (NVIDIA's NVFP4 training
+    recipe keeps it in BF16; docs/usage.md has the measured effect), converted otherwise
+    and without ``recipe``. The first conversion that keeps it by default logs a
+    WARNING on the ``fastcast`` logger naming it and ``keep_head=False``, which converts
+    it. A module with a single such layer keeps none: that layer is all there is.
+
     ``quantized_all_gather=True`` (needs ``recipe``, any built-in one): FSDP2
     (``fully_shard``, applied after this) all-gathers each ``fc.Linear`` weight as the
     recipe's codes and scales, which the GEMMs under an ``fc.autocast`` with that recipe
@@ -79,6 +89,10 @@ def convert(
         check_recipe(recipe)
     align = DEFAULT_ALIGNMENT if recipe is None else scheme_for(recipe).alignment(recipe)
     hf_conv1d = _hf_conv1d_class()
+    head_by_default = keep_head is None
+    if head_by_default:
+        keep_head = recipe is not None and scheme_for(recipe).keeps_head(recipe)
+    head = keep_high_precision(module) if keep_head and _layer_count(module) > 1 else None
 
     def kept_because(layer: nn.Module, name: str) -> str | None:
         """Why ``layer`` stays as it is, or None to convert it."""
@@ -93,6 +107,8 @@ def convert(
         if off:
             multiple = "a multiple" if len(off) == 1 else "multiples"
             return f"{' and '.join(off)} not {multiple} of {align}"
+        if head is not None and not head(layer, name):
+            return _HEAD
         if module_filter_fn is not None and not module_filter_fn(layer, name):
             return _FILTERED
         return None
@@ -123,6 +139,8 @@ def convert(
                 continue
             visit(child, f"{name}.{child_name}" if name else child_name)
     report.log()
+    if head_by_default and report.head:
+        _log_head(report.head, recipe)
     # Mixture-of-experts: transformers 5 experts modules (3-D expert parameters).
     report.experts = convert_experts(module, module_filter_fn, recipe)
     report.warn(module)
@@ -134,6 +152,36 @@ def convert(
     if quantized_all_gather:
         _quantize_all_gathers(module, recipe)
     return module
+
+
+def _layer_count(module: nn.Module) -> int:
+    """How many ``nn.Linear`` (or transformers ``Conv1D``) layers ``module`` holds, itself
+    included, each once (as ``keep_high_precision`` counts them)."""
+    hf_conv1d = _hf_conv1d_class()
+    return sum(
+        isinstance(m, nn.Linear) or bool(hf_conv1d and isinstance(m, hf_conv1d))
+        for m in module.modules()
+    )
+
+
+# Whether a conversion has logged its default-kept head at WARNING (once per process).
+_head_warned = False
+
+
+def _log_head(name: str, recipe: Recipe | None) -> None:
+    """Say that ``recipe``'s default kept the output head ``name`` in high precision, and
+    how to convert it: a WARNING the first time, INFO after."""
+    global _head_warned  # noqa: PLW0603 - once per process
+    level = logging.INFO if _head_warned else logging.WARNING
+    _head_warned = True
+    logger.log(
+        level,
+        "fastcast.convert: %s keeps the output head %r in high precision by default (its "
+        "rounding errors reach the loss unaveraged; docs/usage.md); "
+        "fc.convert(model, recipe=..., keep_head=False) converts it too",
+        type(recipe).__name__,
+        name,
+    )
 
 
 def _quantize_all_gathers(module: nn.Module, recipe: Recipe) -> None:
@@ -260,6 +308,8 @@ def _kind(layer: nn.Module) -> str:
 
 # Why a layer was kept when the user's filter asked for it (not a reason to warn).
 _FILTERED = "module_filter_fn returned False"
+# Why the output head was kept (keep_head; not a reason to warn either).
+_HEAD = "the output head, kept in high precision by keep_head"
 
 
 class _Report:
@@ -272,6 +322,7 @@ class _Report:
         self.filtered = 0
         self.experts = 0  # experts modules on the grouped GEMM (converted now or before)
         self.skipped: list[str] = []
+        self.head = ""  # the output head's name, when keep_head kept it
 
     @property
     def converted(self) -> int:
@@ -287,8 +338,10 @@ class _Report:
         elif isinstance(layer, Linear):
             self.already += 1
         else:
-            self.filtered += why == _FILTERED
+            self.filtered += why in (_FILTERED, _HEAD)
             self.skipped.append(f"{shown} ({why})")
+            if why == _HEAD:
+                self.head = shown
         in_features, out_features = _features(layer)
         logger.debug(
             "fastcast.convert: %s (%sin_features=%d, out_features=%d): %s",

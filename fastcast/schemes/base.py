@@ -150,6 +150,12 @@ class Scheme:
         layouts; ``fc.Linear`` pads the input with zero rows up to it. 1: any count."""
         return 1
 
+    def keeps_head(self, recipe: Recipe) -> bool:
+        """Whether ``fc.convert(model, recipe=recipe)`` keeps the model's output head (its
+        last layer, as ``fc.keep_high_precision`` counts) in high precision unless told
+        otherwise (``keep_head=False``)."""
+        return False
+
     def wgrad_high_precision(self, recipe: Recipe) -> bool:
         """Whether the weight-gradient GEMM runs in the forward's high precision, on the
         unquantized output gradient and input (which backward then keeps), rather than on

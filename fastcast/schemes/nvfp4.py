@@ -26,6 +26,12 @@ class NVFP4Scheme(Scheme):
     def alignment(self, recipe: NVFP4BlockScaling) -> int:
         return BLOCK
 
+    def keeps_head(self, recipe: NVFP4BlockScaling) -> bool:
+        # NVIDIA's NVFP4 training recipe keeps the output layer in BF16: its rounding
+        # errors reach the loss with no later layer to average them (docs/usage.md has
+        # the measured effect on the first-hour models).
+        return True
+
     def row_alignment(self, recipe: NVFP4BlockScaling) -> int:
         # Column-wise blocks (the weight gradient's operands) run along the tokens.
         return BLOCK

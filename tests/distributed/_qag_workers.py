@@ -159,7 +159,7 @@ def accumulation(name: str, mode: str, rank: int | None, world: int) -> dict[str
     recipe = RECIPES[name]()
     sharded = rank is not None
     quantized, reshard_fwd, keep_after_bwd = ACC_MODES[mode] if sharded else (False, 0, 0)
-    model = fc.convert(AccPair(), recipe=recipe, quantized_all_gather=quantized)
+    model = fc.convert(AccPair(), recipe=recipe, quantized_all_gather=quantized, keep_head=False)
     if sharded:
         model = _shard(model, reshard_after_forward=reshard_fwd)
     group = dist.group.WORLD if sharded else None
@@ -278,7 +278,9 @@ def four_run(name: str, quantized: bool, rank: int | None, world: int) -> dict[s
 
     recipe = RECIPES[name]()
     sharded = rank is not None
-    model = fc.convert(make_four_mlp(name), recipe=recipe, quantized_all_gather=quantized)
+    model = fc.convert(
+        make_four_mlp(name), recipe=recipe, quantized_all_gather=quantized, keep_head=False
+    )
     if sharded:
         model = _shard(model)
     group = dist.group.WORLD if sharded else None
@@ -355,7 +357,7 @@ def compiled_run(name: str, reshard: bool, compiled: bool, rank: int, world: int
     from fastcast.runtime.state import BOTTOM, get_stack  # noqa: PLC0415
 
     recipe = RECIPES[name]()
-    model = fc.convert(AccPair(), recipe=recipe, quantized_all_gather=True)
+    model = fc.convert(AccPair(), recipe=recipe, quantized_all_gather=True, keep_head=False)
     model = _shard(model, reshard_after_forward=reshard)
     run = torch.compile(model) if compiled else model
     opt = torch.optim.SGD(model.parameters(), lr=LR * world)
@@ -395,7 +397,7 @@ DCP_STEPS = 2
 
 
 def _dcp_model(recipe: Any, seed: int) -> nn.Module:
-    model = fc.convert(AccPair(), recipe=recipe, quantized_all_gather=True)
+    model = fc.convert(AccPair(), recipe=recipe, quantized_all_gather=True, keep_head=False)
     if seed:  # other values, so that a load must write them all
         with torch.no_grad():
             for p in model.parameters():

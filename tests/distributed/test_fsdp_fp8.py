@@ -56,8 +56,8 @@ def train(model: nn.Module, recipe: fc.Recipe, steps: int = 3) -> list[torch.Ten
 @pytest.mark.parametrize("name", RECIPES)
 def test_wrapped_weight_trains_like_the_plain_one(name):
     recipe = RECIPES[name]()
-    plain = fc.convert(mlp(), recipe=recipe)
-    wrapped = fc.convert(mlp(), recipe=recipe, quantized_all_gather=True)
+    plain = fc.convert(mlp(), recipe=recipe, keep_head=False)
+    wrapped = fc.convert(mlp(), recipe=recipe, quantized_all_gather=True, keep_head=False)
     weight = wrapped[0].weight
     assert isinstance(weight, FSDPFloat8Weight) and isinstance(weight, nn.Parameter)
     assert weight.is_leaf and weight.requires_grad and weight.dtype == torch.float32
@@ -127,8 +127,8 @@ BLOCK_RECIPES = {
 @pytest.mark.parametrize("name", BLOCK_RECIPES)
 def test_block_recipes_wrapped_weight_trains_like_the_plain_one(name):
     recipe = BLOCK_RECIPES[name]()
-    plain = fc.convert(mlp(), recipe=recipe)
-    wrapped = fc.convert(mlp(), recipe=recipe, quantized_all_gather=True)
+    plain = fc.convert(mlp(), recipe=recipe, keep_head=False)
+    wrapped = fc.convert(mlp(), recipe=recipe, quantized_all_gather=True, keep_head=False)
     assert isinstance(wrapped[0].weight, FSDPFloat8Weight)
     for a, b in zip(train(plain, recipe), train(wrapped, recipe)):
         assert torch.equal(a, b)
@@ -162,8 +162,8 @@ def test_block_recipes_fully_shard_of_one_rank_is_the_plain_model(world_of_one, 
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
     recipe = BLOCK_RECIPES[name]()
-    plain = fc.convert(wide_mlp(), recipe=recipe)
-    sharded = fc.convert(wide_mlp(), recipe=recipe, quantized_all_gather=True)
+    plain = fc.convert(wide_mlp(), recipe=recipe, keep_head=False)
+    sharded = fc.convert(wide_mlp(), recipe=recipe, quantized_all_gather=True, keep_head=False)
     mesh = init_device_mesh("cpu", (1,))
     for layer in (sharded[0], sharded[2]):
         fully_shard(layer, mesh=mesh)

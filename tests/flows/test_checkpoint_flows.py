@@ -320,27 +320,39 @@ def test_dcp_round_trip_into_a_model_that_never_ran(recipe, worker, tmp_path):
 
 
 @pytest.mark.filterwarnings(_DCP_WARNING)
-@pytest.mark.parametrize(
-    ("saved", "loading"),
-    [("delayed", None), ("current", "delayed")],
-    ids=["delayed-into-unprepared", "stateless-into-delayed"],
-)
-def test_dcp_into_another_state_layout_is_an_error(saved, loading, worker, tmp_path):
-    """DCP loads in place, so the model must have the checkpoint's layout. A delayed
-    checkpoint (43-value states) into a model converted without a recipe (16-value
-    headers), or a stateless one into a delayed-scaling model, fails in DCP's load
-    planner, naming an extra-state key, before anything is written. (DCP raises a
-    CheckpointException, which derives from BaseException: ``except Exception`` misses
-    it.)"""
-    original = _trained(RECIPES[saved](), worker())
+def test_dcp_of_a_plain_checkpoint_into_a_delayed_model_is_an_error(worker, tmp_path):
+    """DCP loads in place, so the target's entries must be in the checkpoint. A stateless
+    checkpoint (plain keys) into a model converted for DelayedScaling (its extra-state
+    entries prepared) fails in DCP's load planner, naming an extra-state key, before
+    anything is written. (DCP raises a CheckpointException, which derives from
+    BaseException: ``except Exception`` misses it.)"""
+    original = _trained(RECIPES["current"](), worker())
+    assert _extra_keys(original.state_dict()) == []
     dcp.save({"model": original.state_dict()}, checkpoint_id=tmp_path, no_dist=True)
-    fresh = _build(None if loading is None else RECIPES[loading](), seed=1)
+    fresh = _build(RECIPES["delayed"](), seed=1)
     sd = fresh.state_dict()
     before = _snapshot(fresh)
-    with pytest.raises(dcp.api.CheckpointException, match=r"Size mismatch .*\._extra_state"):
+    with pytest.raises(dcp.api.CheckpointException, match=r"Missing key .*\._extra_state"):
         dcp.load({"model": sd}, checkpoint_id=tmp_path, no_dist=True)
     assert _differing(sd, before) == []  # nothing half-loaded
     assert _differing(fresh, before) == []
+
+
+@pytest.mark.filterwarnings(_DCP_WARNING)
+def test_dcp_default_planner_reads_only_the_targets_entries(worker, tmp_path):
+    """The caveat docs/checkpoints.md states: DCP's own planner reads the entries the
+    target state dict has, nothing else. A delayed-scaling checkpoint into a model
+    converted without ``recipe=`` (plain keys) loads the weights and no scales;
+    ``fastcast.dcp`` (next tests) reads them."""
+    original = _trained(RECIPES["delayed"](), worker())
+    dcp.save({"model": original.state_dict()}, checkpoint_id=tmp_path, no_dist=True)
+    fresh = _build(None, seed=1)
+    sd = fresh.state_dict()
+    assert _extra_keys(sd) == []
+    dcp.load({"model": sd}, checkpoint_id=tmp_path, no_dist=True)
+    _load_strict(fresh, sd)
+    assert _differing(fresh, fc.strip_extra_state(original.state_dict())) == []
+    assert all(m._scheme_state == {} for m in fresh.modules() if isinstance(m, fc.Linear))
 
 
 def _fastcast_dcp_load(sd, path):
@@ -370,9 +382,9 @@ DCP_LOADS = {"fastcast.dcp.load": _fastcast_dcp_load, "LoadPlanner": _dcp_load_w
     ids=["delayed-into-unprepared", "stateless-into-delayed", "another-history-length"],
 )
 def test_dcp_with_fastcasts_planner_loads_any_state_layout(saved, loading, how, worker, tmp_path):
-    """``fastcast.dcp.LoadPlanner`` (and ``fastcast.dcp.load``, which uses it) sizes the
-    extra-state entries as saved: the model then holds exactly the saved state, whatever
-    layout it was built with."""
+    """``fastcast.dcp.LoadPlanner`` (and ``fastcast.dcp.load``, which uses it) fits the
+    extra-state entries to the checkpoint: the model then holds exactly the saved state,
+    whatever layout it was built with (or, from a stateless checkpoint, fresh scales)."""
 
     trainer = worker()
     original = _trained(RECIPES[saved](), trainer)
@@ -385,9 +397,23 @@ def test_dcp_with_fastcasts_planner_loads_any_state_layout(saved, loading, how, 
     fresh = _build(target, seed=1)
     sd = {"model": fresh.state_dict()}
     DCP_LOADS[how](sd, tmp_path)
-    _load_strict(fresh, sd["model"])
-    assert _differing(fresh, original) == []
-    _assert_resumes_like(fresh, original, trainer, RECIPES[saved](), worker)
+    if saved == "delayed":
+        _load_strict(fresh, sd["model"])
+        assert _differing(fresh, original) == []
+        _assert_resumes_like(fresh, original, trainer, RECIPES[saved](), worker)
+        return
+    # A stateless checkpoint has no scales: the planner leaves the target's extra-state
+    # entries out, and load_state_dict starts them afresh, saying so.
+    assert _extra_keys(sd["model"]) == []
+    with pytest.warns(UserWarning, match="start afresh"):
+        _load_strict(fresh, sd["model"])
+    assert _differing(fc.strip_extra_state(fresh.state_dict()), original) == []
+    for key in _extra_keys(fresh.state_dict()):
+        state = fc.read_extra_state(fresh.state_dict()[key])
+        assert torch.equal(state["forward"]["scale"], torch.ones(2))
+        assert not state["forward"]["amax_history"].any()
+    step = _next_step(fresh, RECIPES[saved](), worker())
+    _assert_same_step(step, _next_step(original, RECIPES[saved](), trainer))
 
 
 @pytest.mark.filterwarnings(_DCP_WARNING)

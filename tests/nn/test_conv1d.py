@@ -120,7 +120,9 @@ def test_conv1d_keeps_transformers_keys_layout_and_loads_plain_checkpoints():
     sd = copy.deepcopy(plain.state_dict())
     built = fc.Conv1D(32, 16)
     assert built.weight.shape == (16, 32) and built.bias.shape == (32,)
-    assert set(built.state_dict()) == {"weight", "bias", "_extra_state"}
+    assert {k: (v.shape, v.dtype) for k, v in built.state_dict().items()} == {
+        k: (v.shape, v.dtype) for k, v in plain.state_dict().items()
+    }
     assert built.load_state_dict(sd).missing_keys == []  # strict: a plain checkpoint loads
     assert torch.equal(built.weight, plain.weight)
     # ... and a converted one loads into the plain layer once its extra state is stripped.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import sys
+import warnings
 
 import pytest
 import torch
@@ -100,7 +102,7 @@ ODD = {"blocks.0.odd", "blocks.1.odd"}  # 64 -> 40: never converted
         (None, ODD),  # 16-aligned layers convert (heads.b: 64 -> 48 included)
         (fc.Float8CurrentScaling(), ODD),
         (fc.Float8BlockScaling(), ODD),
-        (fc.NVFP4BlockScaling(), ODD),
+        (fc.NVFP4BlockScaling(), ODD | {"heads.b"}),  # the output head, kept by default
         (fc.MXFP8BlockScaling(), ODD | {"heads.b"}),  # 48 is not a multiple of 32
     ],
     ids=["default", "current", "block", "nvfp4", "mxfp8"],
@@ -109,6 +111,61 @@ def test_alignment_depends_on_the_recipe(recipe, kept):
     net = Net()
     fc.convert(net, recipe=recipe)
     assert {n for n, m in net.named_modules() if type(m) is nn.Linear} == kept
+
+
+@pytest.fixture
+def head_not_yet_warned(monkeypatch):
+    """As in a fresh process: the default-kept head not logged at WARNING yet."""
+    monkeypatch.setattr(sys.modules["fastcast.nn.convert"], "_head_warned", False)
+
+
+def test_nvfp4_keeps_the_output_head_by_default_and_says_so_once(caplog, head_not_yet_warned):
+    caplog.set_level(logging.INFO, logger="fastcast")
+    recipe = fc.NVFP4BlockScaling()
+    for _ in range(2):
+        net = Net()
+        head = net.heads["b"]  # the last nn.Linear registered
+        fc.convert(net, recipe=recipe)
+        assert type(head) is nn.Linear and net.heads["b"] is head
+        assert isinstance(net.heads["a"], fc.Linear) and isinstance(net.blocks[0].proj, fc.Linear)
+    notes = [r for r in caplog.records if "keeps the output head" in r.getMessage()]
+    assert [r.levelno for r in notes] == [logging.WARNING, logging.INFO]  # loud once
+    message = notes[0].getMessage()
+    assert "NVFP4BlockScaling" in message and "'heads.b'" in message
+    assert "keep_head=False" in message  # the one-line way to change it
+    summary = [r.getMessage() for r in caplog.records if "converted 5" in r.getMessage()]
+    assert summary and "heads.b (the output head, kept in high precision" in summary[0]
+
+
+def test_keep_head_false_converts_it_and_other_recipes_keep_nothing(caplog, head_not_yet_warned):
+    caplog.set_level(logging.INFO, logger="fastcast")
+    net = fc.convert(Net(), recipe=fc.NVFP4BlockScaling(), keep_head=False)
+    assert isinstance(net.heads["b"], fc.Linear)
+    for recipe in (None, fc.Float8CurrentScaling(), fc.DelayedScaling()):
+        net = fc.convert(Net(), recipe=recipe)
+        assert isinstance(net.heads["a"], fc.Linear) and isinstance(net.heads["b"], fc.Linear)
+    assert not [r for r in caplog.records if "keeps the output head" in r.getMessage()]
+    # keep_head=True keeps it under any recipe, or none (the recipe known only later).
+    for recipe in (None, fc.Float8CurrentScaling()):
+        net = fc.convert(Net(), recipe=recipe, keep_head=True)
+        assert type(net.heads["b"]) is nn.Linear and isinstance(net.heads["a"], fc.Linear)
+
+
+def test_the_kept_head_combines_with_the_users_filter_and_is_not_warned_about():
+    net = Net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fc.convert(
+            net, lambda m, name: not name.startswith("blocks.1"), recipe=fc.NVFP4BlockScaling()
+        )
+    assert type(net.heads["b"]) is nn.Linear  # the head, whatever the filter says
+    assert type(net.blocks[1].proj) is nn.Linear  # the filter
+    assert isinstance(net.blocks[0].proj, fc.Linear) and isinstance(net.heads["a"], fc.Linear)
+    # A single layer is all there is: converted.
+    lin = fc.convert(nn.Linear(32, 32), recipe=fc.NVFP4BlockScaling())
+    assert type(lin) is fc.Linear
+    seq = fc.convert(nn.Sequential(nn.Linear(32, 32)), recipe=fc.NVFP4BlockScaling())
+    assert type(seq[0]) is fc.Linear
 
 
 def test_alignment_checks_both_features():
@@ -213,15 +270,20 @@ def test_hooks_mode_and_requires_grad_survive():
     assert calls == ["pre", "fwd", "pre"]
 
 
-def test_state_dict_keys_gain_only_extra_state():
+def test_state_dict_keys_stay_plain_but_for_delayed_scaling():
     net = Net()
     old_sd = copy.deepcopy(net.state_dict())
     fc.convert(net)
-    new_keys = set(net.state_dict())
+    assert list(net.state_dict()) == list(old_sd)  # nothing to save yet: plain keys
+    fc.convert(net, recipe=fc.Float8CurrentScaling())
+    assert list(net.state_dict()) == list(old_sd)
     converted = [n for n, m in net.named_modules() if isinstance(m, fc.Linear)]
-    assert new_keys == set(old_sd) | {f"{n}._extra_state" for n in converted}
-    # A checkpoint of the unconverted model loads, strict=True included.
-    result = net.load_state_dict(old_sd, strict=True)
+    fc.convert(net, recipe=fc.DelayedScaling())  # its layout up front
+    assert set(net.state_dict()) == set(old_sd) | {f"{n}._extra_state" for n in converted}
+    # A checkpoint of the unconverted model loads, strict=True included (the scales
+    # start afresh, which a warning says).
+    with pytest.warns(UserWarning, match="start afresh"):
+        result = net.load_state_dict(old_sd, strict=True)
     assert result.missing_keys == [] and result.unexpected_keys == []
 
 
@@ -357,7 +419,7 @@ def _train(recipe, opt_name):
     torch.manual_seed(99)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
     if recipe is not None:
-        fc.convert(model, recipe=recipe)
+        fc.convert(model, recipe=recipe, keep_head=False)  # every layer quantized
         assert isinstance(model[0], fc.Linear) and isinstance(model[2], fc.Linear)
     if opt_name == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=3e-3)

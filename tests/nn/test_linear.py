@@ -131,9 +131,10 @@ def test_same_parameters_and_init_as_nn_linear():
     assert isinstance(lin.weight, nn.Parameter) and isinstance(lin.bias, nn.Parameter)
     assert [n for n, _ in lin.named_parameters()] == ["weight", "bias"]
     assert (lin.in_features, lin.out_features) == (48, 20)
-    assert list(lin.state_dict()) == ["weight", "bias", "_extra_state"]
-    # Nothing has run: the stateless header.
-    assert fc.read_extra_state(lin.state_dict()["_extra_state"])["kind"] == "stateless"
+    # Nothing has run, no state to save: nn.Linear's state dict.
+    assert {k: (v.shape, v.dtype) for k, v in lin.state_dict().items()} == {
+        k: (v.shape, v.dtype) for k, v in ref.state_dict().items()
+    }
     assert "in_features=48, out_features=20, bias=True" in repr(lin)
 
 
@@ -187,23 +188,30 @@ def test_load_nn_linear_state_dict_and_back():
 
     with fc.autocast(recipe=fc.Float8CurrentScaling()):
         lin(torch.randn(32, 64))
+    back = ref.load_state_dict(lin.state_dict(), strict=True)  # stateless: plain keys
+    assert back.missing_keys == [] and back.unexpected_keys == []
+    assert torch.equal(ref.weight, lin.weight) and torch.equal(ref.bias, lin.bias)
+
+    with fc.autocast(recipe=fc.DelayedScaling()):
+        lin(torch.randn(32, 64))
     back = ref.load_state_dict(lin.state_dict(), strict=False)
     assert back.missing_keys == [] and back.unexpected_keys == ["_extra_state"]
-    assert torch.equal(ref.weight, lin.weight) and torch.equal(ref.bias, lin.bias)
     with pytest.raises(RuntimeError, match="_extra_state"):
         ref.load_state_dict(lin.state_dict())  # strict: the unexpected key is reported
     ref.load_state_dict(fc.strip_extra_state(lin.state_dict()))  # the documented way
 
 
-def test_stateless_recipes_store_the_stateless_header():
+def test_stateless_recipes_save_nn_linears_state_dict():
     lin = fc.Linear(64, 32)
     for recipe in STATELESS.values():
         with fc.autocast(recipe=recipe):
             lin(torch.randn(64, 64, requires_grad=True)).sum().backward()
+        # get_extra_state still answers (the stateless header); state_dict leaves it out.
         assert fc.read_extra_state(lin.get_extra_state())["kind"] == "stateless"
-        assert fc.read_extra_state(lin.state_dict()["_extra_state"])["kind"] == "stateless"
+        assert list(lin.state_dict()) == ["weight", "bias"]
     fresh = fc.Linear(64, 32)
-    assert fresh.load_state_dict(lin.state_dict()).missing_keys == []
+    result = fresh.load_state_dict(lin.state_dict())
+    assert result.missing_keys == [] and result.unexpected_keys == []
 
 
 # -- outside autocast: exactly nn.Linear ------------------------------------------------------

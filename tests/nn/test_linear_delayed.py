@@ -549,12 +549,18 @@ def test_loading_state_into_a_module_that_has_run_replaces_its_scales():
     assert torch.equal(_next_step_output(target, x), _next_step_output(source, x))
 
 
-def test_extra_state_none_resets_to_stateless():
+def test_extra_state_none_starts_the_scales_afresh():
+    """Version 1's None (a stateless module) holds no state: as an absent entry, it
+    starts the scales of a layer that keeps them afresh, and says so."""
     lin = _trained()
     sd = lin.state_dict()
     sd["_extra_state"] = None
-    lin.load_state_dict(sd)
-    assert fc.read_extra_state(lin.get_extra_state())["kind"] == "stateless"
+    with pytest.warns(UserWarning, match="start afresh"):
+        lin.load_state_dict(sd)
+    view = fc.read_extra_state(lin.get_extra_state())
+    assert view["kind"] == "delayed_scaling"
+    assert torch.equal(view["forward"]["scale"], torch.ones(2))
+    assert not view["forward"]["amax_history"].any()
 
 
 class _Tripwire:

@@ -540,7 +540,7 @@ def test_stateless_checkpoint_round_trip(recipe):
     with fc.autocast(recipe=recipe):
         lin(torch.randn(8, 64, requires_grad=True)).sum().backward()
     state = lin.state_dict()
-    assert fc.read_extra_state(state["_extra_state"])["kind"] == "stateless"
+    assert list(state) == ["weight", "bias"]  # nothing to save: nn.Linear's keys
     fresh = fc.Linear(64, 32)
     assert fresh.load_state_dict(state).missing_keys == []
     x = torch.randn(8, 64)

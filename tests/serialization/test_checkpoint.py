@@ -80,19 +80,23 @@ def test_delayed_state_round_trips_through_weights_only_mmap_load(tmp_path):
     _assert_same_step(_step(fresh, x), _step(model, x))
 
 
-def test_stateless_recipe_stores_the_header_alone(tmp_path):
+def test_stateless_recipe_saves_a_plain_state_dict(tmp_path):
     model = _model()
     x = torch.randn(8, 16)
     _step(model, x, recipe=fc.Float8CurrentScaling())
     sd = model.state_dict()
-    for key in ("0._extra_state", "2._extra_state"):
-        assert sd[key].shape == (16,) and fc.read_extra_state(sd[key]) == {"kind": "stateless"}
+    torch.manual_seed(1)
+    plain = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 8))
+    assert {k: (v.shape, v.dtype) for k, v in sd.items()} == {
+        k: (v.shape, v.dtype) for k, v in plain.state_dict().items()
+    }
     path = tmp_path / "stateless.pt"
     torch.save(sd, path)
     fresh = _model(seed=3)
     fresh.load_state_dict(torch.load(path, weights_only=True, mmap=True))
-    assert fc.read_extra_state(fresh[0].get_extra_state())["kind"] == "stateless"
+    assert fresh[0]._scheme_state == {}
     assert torch.equal(fresh[0].weight, model[0].weight)
+    plain.load_state_dict(torch.load(path, weights_only=True, mmap=True))  # strict
 
 
 def test_nn_linear_and_fc_linear_state_dicts_load_into_each_other():
@@ -107,7 +111,7 @@ def test_nn_linear_and_fc_linear_state_dicts_load_into_each_other():
     trained = _train(fc.Linear(16, 8), seed=5)
     back = nn.Linear(16, 8)
     result = back.load_state_dict(trained.state_dict(), strict=False)
-    assert result.missing_keys == [] and result.unexpected_keys == ["_extra_state"]
+    assert result.missing_keys == [] and result.unexpected_keys == ["_extra_state"]  # delayed
     assert torch.equal(back.weight, trained.weight) and torch.equal(back.bias, trained.bias)
     result = nn.Linear(16, 8).load_state_dict(fc.strip_extra_state(trained.state_dict()))
     assert result.missing_keys == [] and result.unexpected_keys == []
@@ -170,14 +174,33 @@ def test_malicious_pickle_is_refused_without_running_it(form):
     assert SIDE_EFFECTS == []
 
 
+def _started_afresh(lin):
+    """Whether ``lin`` keeps delayed-scaling state with every scale 1 and no amax yet."""
+    view = fc.read_extra_state(lin.get_extra_state())
+    return view["kind"] == "delayed_scaling" and all(
+        torch.equal(view[d]["scale"], torch.ones_like(view[d]["scale"]))
+        and not view[d]["amax_history"].any()
+        for d in ("forward", "backward")
+    )
+
+
+@pytest.mark.filterwarnings("ignore:fastcast. the checkpoint holds no per-layer state")
 def test_empty_payload_means_no_state():
-    lin = _train(fc.Linear(16, 8))
-    _load_extra(lin, torch.empty(0, dtype=torch.uint8))  # TransformerEngine: "no FP8 state"
-    assert fc.read_extra_state(lin.get_extra_state())["kind"] == "stateless"
-    with fc.allow_unsafe_extra_state():
-        _load_extra(lin, io.BytesIO())
-        _load_extra(lin, _as_payload(None, "torch.save-bytesio"))  # older TE, no FP8 state
-    assert fc.read_extra_state(lin.get_extra_state())["kind"] == "stateless"
+    """An empty payload holds no state, as an absent entry: a layer that keeps state (and
+    whose weight is loaded) starts its scales afresh."""
+    for payload in (
+        lambda: torch.empty(0, dtype=torch.uint8),  # TransformerEngine: "no FP8 state"
+        io.BytesIO,
+        lambda: _as_payload(None, "torch.save-bytesio"),  # older TE, no FP8 state
+    ):
+        lin = _train(fc.Linear(16, 8))
+        assert not _started_afresh(lin)
+        with fc.allow_unsafe_extra_state():
+            _load_extra(lin, payload())
+        assert _started_afresh(lin)
+    stateless = fc.Linear(16, 8)
+    _load_extra(stateless, torch.empty(0, dtype=torch.uint8))
+    assert stateless._scheme_state == {} and "_extra_state" not in stateless.state_dict()
 
 
 # -- foreign pickles: TransformerEngine's delayed-scaling state ------------------------------
@@ -303,13 +326,15 @@ def test_own_state_pickled_loads_inside_the_opt_in():
         assert torch.equal(target._scheme_state[d].history, source._scheme_state[d].history)
 
 
+@pytest.mark.filterwarnings("ignore:fastcast. the checkpoint holds no per-layer state")
 def test_transformer_engine_state_without_scales_is_stateless():
-    # A TE recipe without delayed scaling pickles only the recipe and the bookkeeping.
+    # A TE recipe without delayed scaling pickles only the recipe and the bookkeeping:
+    # no state, as an absent entry.
     payload = _te_pickle(_te_state(**dict.fromkeys(_TE_TENSORS)), "pickle-uint8")
     lin = _train(fc.Linear(16, 8))
     with fc.allow_unsafe_extra_state():
         _load_extra(lin, payload)
-    assert fc.read_extra_state(lin.get_extra_state())["kind"] == "stateless"
+    assert _started_afresh(lin)
 
 
 @pytest.mark.parametrize(
