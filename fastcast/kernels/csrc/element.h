@@ -152,11 +152,17 @@ FASTCAST_HD uint8_t cast_e4m3(float v, float scale, float fmt_max) {
 }
 
 // E5M2: an input infinity stays infinite (taken from the input, not the product, which
-// is what tells it from an overflow); NaN keeps its sign, as the product does.
+// is what tells it from an overflow); a NaN keeps the input's sign, as the CPU's product
+// does. Taken from the input too: a GPU's FP32 multiply returns the canonical, positive
+// NaN whatever its operand's sign (the first H200 run: every E5M2 cast of a negative NaN
+// was 0x7F on the device, 0xFF on the CPU).
 FASTCAST_HD uint8_t cast_e5m2(float v, float scale, float fmt_max) {
-  const bool inf = (bits_of(v) & 0x7FFFFFFFu) == 0x7F800000u;
+  const uint32_t magnitude_bits = bits_of(v) & 0x7FFFFFFFu;
+  const bool inf = magnitude_bits == 0x7F800000u;
   const float y = inf ? v : clamp(v * scale, fmt_max);
-  return round_to_fp8<2, 15>(y, 143u << 23, 0x7Cu, 0x7Fu);
+  const uint8_t code = round_to_fp8<2, 15>(y, 143u << 23, 0x7Cu, 0x7Fu);
+  const uint8_t nan = static_cast<uint8_t>(0x7Fu | ((bits_of(v) >> 24) & 0x80u));
+  return magnitude_bits > 0x7F800000u ? nan : code;
 }
 
 template <bool E4M3>
