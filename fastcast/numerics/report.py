@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..recipe import Format
@@ -23,6 +24,39 @@ METRICS = ("sqnr_db", "underflow", "saturated")
 # 17 dB in NVFP4's E2M1 blocks (docs/numerics.md); the thresholds sit 6 dB (4x the noise
 # power) below those.
 DEFAULT_THRESHOLD_DB: dict[str, float] = {"e4m3": 25.0, "e5m2": 19.0, "e2m1": 11.0}
+
+
+def _level(value: Any, what: str) -> float:
+    """``value`` as a finite number of dB, or a clear error naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"fc.inspect: {what} must be a number of dB, got {value!r}")
+    level = float(value)
+    if not math.isfinite(level):
+        raise ValueError(f"fc.inspect: {what} must be a finite number of dB, got {value!r}")
+    return level
+
+
+def check_threshold(threshold_db: Any) -> float | dict[str, float] | None:
+    """``threshold_db`` checked: None (the defaults), a finite number of dB, or a dict from
+    element formats (``DEFAULT_THRESHOLD_DB``'s keys) to finite numbers of dB."""
+    if threshold_db is None:
+        return None
+    if isinstance(threshold_db, Mapping):
+        levels = {}
+        for fmt, value in threshold_db.items():
+            if fmt not in DEFAULT_THRESHOLD_DB:
+                raise ValueError(
+                    f"fc.inspect: threshold_db has an unknown element format {fmt!r}; the "
+                    f"formats are {', '.join(map(repr, DEFAULT_THRESHOLD_DB))}"
+                )
+            levels[fmt] = _level(value, f"threshold_db[{fmt!r}]")
+        return levels
+    if isinstance(threshold_db, bool) or not isinstance(threshold_db, numbers.Real):
+        raise TypeError(
+            "fc.inspect: threshold_db must be None, a number of dB or a dict from element "
+            f"formats to numbers of dB (e.g. {{'e4m3': 25.0}}), got {threshold_db!r}"
+        )
+    return _level(threshold_db, "threshold_db")
 
 
 def _worst_first(row: dict[str, Any]) -> tuple:
@@ -40,16 +74,15 @@ class Report:
         recipes: dict[str, Any] | None = None,
     ) -> None:
         self._rows = sorted(rows, key=_worst_first)
-        if threshold_db is None:
-            threshold_db = DEFAULT_THRESHOLD_DB
-        self.threshold_db = threshold_db
+        threshold_db = check_threshold(threshold_db)
+        self.threshold_db = DEFAULT_THRESHOLD_DB if threshold_db is None else threshold_db
         self._recipes = dict(recipes or {})
 
     def threshold(self, fmt: str) -> float:
         """The SQNR (dB) below which an operand in ``fmt`` is flagged."""
         if isinstance(self.threshold_db, dict):
             return self.threshold_db.get(fmt, DEFAULT_THRESHOLD_DB.get(fmt, 0.0))
-        return float(self.threshold_db)
+        return self.threshold_db
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per (step, layer, operand, layout), worst SQNR first: ``layer``,
