@@ -49,13 +49,14 @@ from __future__ import annotations
 
 from .inspector import Inspector, inspect
 from .report import DEFAULT_THRESHOLD_DB, METRICS, Report
-from .stats import LAYOUTS, OPERANDS, layout_stats
+from .stats import LAYOUTS, OPERANDS, OUTLIER_RATIO, layout_stats
 
 __all__ = [
     "DEFAULT_THRESHOLD_DB",
     "LAYOUTS",
     "METRICS",
     "OPERANDS",
+    "OUTLIER_RATIO",
     "Inspector",
     "Report",
     "inspect",

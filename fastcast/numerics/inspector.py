@@ -224,7 +224,17 @@ class Inspector:
                 self._acc[key] = {**stats, "fmt": fmt, "calls": 1}
                 continue
             acc["calls"] += 1
-            for name in ("signal", "noise", "elements", "nonzero", "underflow", "saturated"):
+            for name in (
+                "signal",
+                "noise",
+                "bulk_signal",
+                "bulk_noise",
+                "elements",
+                "nonzero",
+                "underflow",
+                "saturated",
+                "outliers",
+            ):
                 acc[name] += stats[name]
             acc["log_scale_sum"] += stats["log_scale_sum"]
             acc["scales"] += stats["scales"]

@@ -19,8 +19,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fastcast as fc
+from fastcast.formats import ELEMENT_MAX
 from fastcast.nn import linear as linear_module
 from fastcast.numerics.inspector import _Tap
+from fastcast.numerics.stats import _FIELDS, layout_stats
 from fastcast.runtime import state
 
 FMT_MAX = 448.0
@@ -227,9 +229,12 @@ def test_outputs_rows_jsonl_table_and_heatmap(tmp_path, monkeypatch):
     # Per step: layer 2 has input, weight and grad in both layouts; layer 0 (whose input
     # needs no gradient: no dgrad) its input's two, its weight's and its grad's one each.
     assert len(rows) == 2 * (6 + 4)
-    assert [r["sqnr_db"] for r in rows] == sorted(r["sqnr_db"] for r in rows)
+    assert [r["rank_db"] for r in rows] == sorted(r["rank_db"] for r in rows)
     for key in ("layer", "operand", "step", "amax", "underflow", "saturated", "sqnr_db"):
         assert key in rows[0]
+    for r in rows:  # no outliers here: the bulk is (nearly) the tensor
+        assert r["rank_db"] == min(r["sqnr_db"], r["bulk_sqnr_db"])
+        assert r["outliers"] < 0.01 and abs(r["bulk_sqnr_db"] - r["sqnr_db"]) < 1.0
     assert {r["layer"] for r in rows} == {"0", "2"}
     assert {r["fmt"] for r in rows if r["operand"] == "grad_output"} == {"e5m2"}
     path = tmp_path / "rows.jsonl"
@@ -426,3 +431,105 @@ def test_a_checkpointed_recomputation_stays_in_its_step():
             out.sum().backward()  # recomputes the forward, outside the autocast
     assert insp.current_step == 2
     assert set(_recorded(insp)) == {0, 1, 2}
+
+
+# -- outliers: ranked by what they do to the rest of the tensor (issue 32) -----------------
+def test_an_outlier_column_that_flushes_the_input_ranks_its_layer_worst():
+    torch.manual_seed(0)
+    model = fc.convert(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)))
+    x = torch.randn(128, 64)
+    x[:, 5] = 1e6
+    with fc.inspect(model) as insp:
+        with fc.autocast(recipe=fc.Float8CurrentScaling()):
+            out = model(x)
+        out.sum().backward()
+    report = insp.report()
+    rows = report.rows()
+    # Both layouts of layer 0's input come first: the outlier's scale flushes the rest.
+    assert {(r["layer"], r["operand"]) for r in rows[:2]} == {("0", "input")}
+    worst = rows[0]
+    assert worst["sqnr_db"] > 90  # the whole tensor: the outlier's energy, well kept
+    assert worst["bulk_sqnr_db"] < 3 and worst["rank_db"] == worst["bulk_sqnr_db"]
+    assert worst["underflow"] > 0.9
+    assert worst["outliers"] == pytest.approx(1 / 64)
+    assert report.flagged() == ["0"]
+    assert "outliers flush the bulk of 1 operand(s) (worst: '0' input" in str(report)
+    table = report.table()
+    assert table.splitlines()[2].startswith("| 0 **!** | input |")
+    assert "| rank dB | SQNR dB | bulk SQNR dB |" in table
+
+
+class _Deep(nn.Module):
+    """Six layers; a feature of ``bump`` is added to layer ``at``'s input."""
+
+    def __init__(self, bump: float, at: int = 4, width: int = 64, depth: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(fc.Linear(width, width) for _ in range(depth))
+        self.bump, self.at = bump, at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if i == self.at:
+                x = x + torch.nn.functional.one_hot(torch.tensor(7), x.shape[-1]) * self.bump
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+@pytest.mark.parametrize("recipe", [fc.Float8CurrentScaling(), fc.NVFP4BlockScaling()])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_feature_outlier_at_a_deep_layer_ranks_that_layer_worst(recipe, seed):
+    torch.manual_seed(seed)
+    model = _Deep(bump=1e4)
+    with fc.inspect(model) as insp:
+        with fc.autocast(recipe=recipe):
+            out = model(torch.randn(128, 64))
+        out.sum().backward()
+    report = insp.report()
+    worst = report.rows()[0]
+    assert (worst["layer"], worst["operand"], worst["layout"]) == ("layers.4", "input", "rowwise")
+    assert worst["bulk_sqnr_db"] < worst["sqnr_db"] - 30
+    assert report.flagged()[0] == "layers.4"
+
+
+def test_bulk_sqnr_agrees_with_a_float64_reference():
+    torch.manual_seed(0)
+    layer = fc.Linear(64, 32, bias=False)
+    x = torch.randn(128, 64)
+    x[:, 3] = 3e3 * torch.randn(128).sign()  # outliers, but the bulk stays representable
+    x[::7, 9] = 0.0
+    insp = fc.inspect(layer, step="manual").start()
+    with torch.no_grad(), fc.autocast(recipe=fc.Float8CurrentScaling(fp8_format=fc.Format.E4M3)):
+        layer(x)
+    insp.stop()
+    row = next(r for r in insp.report().rows() if r["operand"] == "input")
+    x64 = x.double()
+    scale = FMT_MAX / x64.abs().max()
+    back = (x64 * scale).clamp(-FMT_MAX, FMT_MAX).to(torch.float8_e4m3fn).double() / scale
+    mag = x64.abs()
+    bulk = mag <= fc.numerics.OUTLIER_RATIO * mag[mag > 0].median()
+    expected = 10 * math.log10(
+        x64[bulk].square().sum().item() / (x64 - back)[bulk].square().sum().item()
+    )
+    assert row["bulk_sqnr_db"] == pytest.approx(expected, abs=1e-3)
+    assert row["outliers"] == pytest.approx(128 / x.numel())
+    assert row["sqnr_db"] > row["bulk_sqnr_db"] + 20
+
+
+def test_saturation_counts_the_clipped_amax_element_alike_in_every_format():
+    """An element counts as saturated when its code is the format's maximum and its value
+    exceeds what that code decodes to: current scaling's amax element (scale max/amax)
+    lands exactly on the maximum and does not count; an NVFP4 block's amax element counts
+    when its E4M3 block scale rounded down (clipped, up to 1/16 off), and not when the
+    scale was exact or rounded up (at or below 6)."""
+    x = torch.full((8, 16), 0.25)
+    # Tensor amax 6 * 448 (tensor scale 1). Block scales amax/6: 448 and 1.5 exact; 1.5625
+    # rounds (to even) down to 1.5: 9.375 is clipped to 9; 1.6 rounds up to 1.625.
+    x[:, 3] = torch.tensor([2688.0, 9.0, -9.0, 9.375, -9.375, 9.6, 9.6, -9.6])
+    for recipe, saturated in ((fc.NVFP4BlockScaling(), 2), (fc.Float8CurrentScaling(), 0)):
+        q = fc.quantize(x, recipe, role="input")
+        stats = dict(zip(_FIELDS, layout_stats(x, q, "rowwise").tolist()))
+        at_max = q._decode_data(q.data).abs() == ELEMENT_MAX[q.fmt]
+        assert int(at_max.sum()) == (8 if saturated else 1)  # every block's amax element
+        assert stats["saturated"] == saturated
