@@ -8,7 +8,7 @@ outside, gradients set to None) per iteration, in interleaved rounds of four sta
 - ``off``: an inspection was started, ran sampled steps, and was stopped (what "free when
   off" promises: the same code runs as in ``never``);
 - ``on, skipped step``: an inspection is on, ``every`` large, in a step it does not sample
-  (the autocast-entry wrapper runs, nothing else);
+  (its layer observer runs once per layer call and returns the layer's plan as it is);
 - ``on, sampled step``: every step is sampled (taps record statistics of every operand).
 
 It prints the median per-iteration time of each state and its ratio to ``never``.
@@ -74,10 +74,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             insp.stop()
 
-    from fastcast.nn import linear  # noqa: PLC0415 - what an inspection swaps in and out
+    from fastcast.nn import linear  # noqa: PLC0415 - what an inspection must leave as it was
+    from fastcast.runtime import state  # noqa: PLC0415 - where its observer is attached
 
     _loop(layer, x, recipe, 20)  # warm-up: plans, kernels
-    originals = (linear.plan_for, fc.autocast.__dict__["__enter__"], layer._plan.input_q)
+    originals = (
+        linear.plan_for,
+        fc.autocast.__dict__["__enter__"],
+        layer._plan.input_q,
+        state.layer_observer,
+    )
     times: dict[str, list[float]] = {"never": [], "off": [], "skipped": [], "sampled": []}
     # Phase 1: no inspection has existed in this process yet.
     for _ in range(args.rounds):
@@ -87,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         linear.plan_for,
         fc.autocast.__dict__["__enter__"],
         layer._plan.input_q,
+        state.layer_observer,
     )
     # Phase 2: off again (the same code as phase 1, if stop() put everything back), and
     # inspections on, interleaved round by round.
@@ -103,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     print(f"fc.Linear fwd+bwd [{SIZE}x{SIZE}], current scaling, median of {args.rounds} rounds")
     print(
-        f"  after stop(): plan_for, autocast.__enter__ and quantizers are the originals: {restored}"
+        "  after stop(): plan_for, autocast.__enter__, the quantizers and the (absent) layer "
+        f"observer are as before: {restored}"
     )
     for name, label in labels.items():
         median = statistics.median(times[name])

@@ -4,9 +4,10 @@
 trains bench/train_step.py's model (the same MLP stack, data, initial weights and AdamW;
 NVFP4 keeps its head in high precision, as there) once per quantized recipe under
 ``fc.inspect(model, every=...)`` and writes, per recipe, ``<recipe>.md`` (the per-layer
-table, worst first, and the actions) and ``<recipe>.png`` (the SQNR heatmap, layers x
-steps), and ``summary.md``: per recipe, the mean SQNR of each operand and layout over
-layers and sampled steps, and the operand that limits the recipe (the lowest).
+table, worst first, and the actions) and ``<recipe>.png`` (the heatmap of ``rank_db``,
+the lower of the whole tensor's SQNR and its bulk's, layers x steps), and ``summary.md``:
+per recipe, the mean SQNR of each operand and layout over layers and sampled steps, and
+the operand that limits the recipe (the lowest).
 docs/numerics.md shows the committed outputs.
 """
 
@@ -137,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         (args.out / f"{name}.md").write_text("\n".join(body))
         report.heatmap(
-            args.out / f"{name}.png", title=f"{name}: SQNR (dB) per layer operand and step"
+            args.out / f"{name}.png",
+            title=f"{name}: SQNR (dB; whole or bulk, the lower) per layer operand and step",
         )
         print(f"{name}: {seconds:.1f} s, limiting operand: {limit}, {len(flagged)} flagged")
         print(report.table(limit=4))

@@ -13,6 +13,7 @@ from ..distributed import is_dtensor
 from ..profiling import annotate
 from ..quantizers.base import check_input
 from ..recipe import Recipe
+from ..runtime import state as _state
 from ..runtime.state import OUTSIDE, AutocastFrame, get_stack, mark_ran
 from ..schemes import ModuleState, Plan, follow_device, reset_module_state, scheme_for
 from ..serialization.extra_state import (
@@ -443,6 +444,9 @@ def plan_for(module: Linear, frame: AutocastFrame, weight: torch.Tensor) -> Plan
     if plan is None or not plan.matches(frame):
         scheme = scheme_for(frame.recipe)
         plan = module._plan = scheme.plan(frame, module._scheme_state, weight.device)
+    observer = _state.layer_observer  # fc.inspect's observer point (None: nothing to call)
+    if observer is not None:
+        return observer(module, frame, plan)
     return plan
 
 

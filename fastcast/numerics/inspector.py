@@ -1,9 +1,11 @@
 """The inspection: which steps are sampled, and the taps that record them.
 
-On a sampled step ``Inspector`` stands a recording quantizer (``_Tap``) in for each of a
-layer's quantizers, through a wrapper of ``fastcast.nn.linear.plan_for`` that is in place
-only during sampled steps; with ``step="autocast"`` a wrapper of ``fc.autocast.__enter__``
-begins each step. Observations stay on the device until ``_flush`` brings them to the
+``Inspector`` attaches one observer to the state manager's layer observer point (which
+``fastcast.nn.linear.plan_for`` calls with each quantized call's plan). Steps belong to
+the model: a call of one of its layers under an outermost active autocast entry it has
+not seen begins the next step, so other models, threads and tasks count none. On a
+sampled step the observer stands a recording quantizer (``_Tap``) in for each of a
+layer's quantizers. Observations stay on the device until ``_flush`` brings them to the
 host and adds them up per (step, layer, operand, layout).
 """
 
@@ -15,12 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..autocast import autocast as _autocast
-from ..nn import linear as _linear
 from ..nn.linear import Linear
 from ..quantizers.tensorwise import DelayedScalingQuantizer
-from ..runtime.state import frames, get_stack
-from .report import Report
+from ..runtime import state as _state
+from ..runtime.state import get_stack, outermost_active
+from .report import Report, check_threshold
 from .stats import _FIELDS, LAYOUTS, OPERANDS, _derive, _nanmax, layout_stats
 
 
@@ -76,7 +77,7 @@ class Inspector:
             raise ValueError(f"fc.inspect: step must be 'autocast' or 'manual', got {step!r}")
         self.every = every
         self.step_mode = step
-        self.threshold_db = threshold_db
+        self.threshold_db = check_threshold(threshold_db)
         # Layer -> qualified name, weakly: the inspection keeps no module alive.
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         for name, module in model.named_modules():
@@ -89,40 +90,37 @@ class Inspector:
         self._step = -1
         self._active = False
         self._sampling = False
+        # step="autocast": the autocast stack of the model's last quantized call, and its
+        # outermost active node (that of the step's entry); held, so never another's id.
+        self._last_stack: Any = None
+        self._entry: Any = None
         self._plans: list[Any] = []  # plans whose quantizers are taps now
         self._recipes: dict[str, Any] = {}  # layer -> the recipe it ran
         self._pending: list[tuple[tuple, str, torch.Tensor]] = []
         self._acc: dict[tuple, dict[str, Any]] = {}
-        self._saved_enter: Any = None
-        self._saved_plan_for: Any = None
+        self._observer = self._on_layer  # one bound method: what is attached and detached
 
     # -- on and off ----------------------------------------------------------------------
     def start(self) -> Inspector:
         """Start recording (with ``step="manual"``, step 0 begins now)."""
         if self._active:
             raise RuntimeError("fc.inspect: this inspection is already on")
-        if getattr(_autocast.__dict__["__enter__"], "_fc_inspector", None) is not None or (
-            getattr(_linear.plan_for, "_fc_inspector", None) is not None
-        ):
+        if _state.layer_observer is not None:
             raise RuntimeError("fc.inspect: another inspection is on; stop it first")
+        _state.attach_layer_observer(self._observer)
         self._active = True
-        if self.step_mode == "autocast":
-            self._install_enter()
-        else:
+        if self.step_mode == "manual":
             self._begin(self._step + 1)
         return self
 
     def stop(self) -> None:
-        """Stop recording and put back everything the inspection replaced."""
+        """Stop recording and detach (every layer's own quantizers are back)."""
         if not self._active:
             return
         self._active = False
+        _state.detach_layer_observer(self._observer)
         self._set_sampling(False)
-        if self._saved_enter is not None:
-            if _autocast.__dict__["__enter__"] is getattr(self, "_enter_wrapper", None):
-                _autocast.__enter__ = self._saved_enter
-            self._saved_enter = None
-            self._enter_wrapper = None
+        self._last_stack = self._entry = None
         self._flush()
 
     def __enter__(self) -> Inspector:
@@ -140,39 +138,41 @@ class Inspector:
         """Begin the next step (``step="manual"`` only)."""
         if self.step_mode != "manual":
             raise RuntimeError(
-                "fc.inspect: steps begin at each outermost fc.autocast entry here; pass "
-                "step='manual' to fc.inspect to step by hand"
+                "fc.inspect: steps begin at each outermost fc.autocast entry the model runs "
+                "in here; pass step='manual' to fc.inspect to step by hand"
             )
         if not self._active:
             raise RuntimeError("fc.inspect: the inspection is not on (start it first)")
         self._begin(self._step + 1)
 
     def report(self, threshold_db: float | dict[str, float] | None = None) -> Report:
-        """What has been recorded so far."""
+        """What has been recorded so far (``threshold_db``: instead of the inspection's)."""
+        threshold = self.threshold_db if threshold_db is None else check_threshold(threshold_db)
         self._flush()
-        threshold = self.threshold_db if threshold_db is None else threshold_db
         return Report(
             [_derive(key, acc) for key, acc in self._acc.items()], threshold, self._recipes
         )
 
     # -- steps ---------------------------------------------------------------------------
-    def _install_enter(self) -> None:
-        original = _autocast.__dict__["__enter__"]
-        begin_next = self._begin_next
-
-        def enter(frame: Any) -> Any:
-            # An outermost enabled level begins a step (before it is entered).
-            if frame.enabled and not torch.compiler.is_compiling():
-                if not any(f.active for f in frames(get_stack())):
-                    begin_next()
-            return original(frame)
-
-        enter._fc_inspector = True  # type: ignore[attr-defined]
-        self._saved_enter, self._enter_wrapper = original, enter
-        _autocast.__enter__ = enter
-
-    def _begin_next(self) -> None:
-        self._begin(self._step + 1)
+    def _on_layer(self, module: Any, frame: Any, plan: Any) -> Any:
+        """The layer observer: ``plan`` as the call runs it (tapped on sampled steps)."""
+        name = self._names.get(module)
+        if name is None or not frame.enabled or torch.compiler.is_compiling():
+            return plan  # another model's layer, a calibrating call, a trace
+        if self.step_mode == "autocast":
+            stack = get_stack()
+            # A new innermost level: maybe a new entry. (A recomputation under activation
+            # checkpointing runs under its original call's frame, not this stack's: it
+            # belongs to the step that is on.)
+            if stack is not self._last_stack and stack[0] is frame:
+                self._last_stack = stack
+                entry = outermost_active(stack)
+                if entry is not self._entry:
+                    self._entry = entry
+                    self._begin(self._step + 1)
+        if self._sampling and type(plan.grad_q) is not _Tap:
+            self._tap(plan, name)
+        return plan
 
     def _begin(self, index: int) -> None:
         self._step = index
@@ -184,24 +184,7 @@ class Inspector:
             return
         self._sampling = on
         if on:
-            original = _linear.plan_for
-            names, tap = self._names, self._tap
-
-            def plan_for(module: Any, frame: Any, weight: torch.Tensor) -> Any:
-                plan = original(module, frame, weight)
-                if type(plan.grad_q) is not _Tap and not torch.compiler.is_compiling():
-                    name = names.get(module)
-                    if name is not None:
-                        tap(plan, name)
-                return plan
-
-            plan_for._fc_inspector = True  # type: ignore[attr-defined]
-            self._saved_plan_for, self._plan_for_wrapper = original, plan_for
-            _linear.plan_for = plan_for
-            return
-        if _linear.plan_for is getattr(self, "_plan_for_wrapper", None):
-            _linear.plan_for = self._saved_plan_for
-        self._saved_plan_for = self._plan_for_wrapper = None
+            return  # the observer taps each layer's plan at its first call in the step
         for plan in self._plans:
             for attr in ("input_q", "weight_q", "grad_q"):
                 q = getattr(plan, attr)
@@ -241,7 +224,17 @@ class Inspector:
                 self._acc[key] = {**stats, "fmt": fmt, "calls": 1}
                 continue
             acc["calls"] += 1
-            for name in ("signal", "noise", "elements", "nonzero", "underflow", "saturated"):
+            for name in (
+                "signal",
+                "noise",
+                "bulk_signal",
+                "bulk_noise",
+                "elements",
+                "nonzero",
+                "underflow",
+                "saturated",
+                "outliers",
+            ):
                 acc[name] += stats[name]
             acc["log_scale_sum"] += stats["log_scale_sum"]
             acc["scales"] += stats["scales"]
@@ -261,8 +254,10 @@ def inspect(
     """Record FP8/FP4 numerics of ``model``'s ``fc.Linear`` layers every ``every`` steps.
 
     ``with fc.inspect(model, every=10) as insp: train(...)``, then ``print(insp.report())``.
-    ``step``: ``"autocast"`` (a step begins at each outermost ``fc.autocast`` entry) or
-    ``"manual"`` (``insp.step()``). ``threshold_db``: SQNR below which a layer is flagged,
-    one number or one per element format (``DEFAULT_THRESHOLD_DB`` otherwise).
+    ``step``: ``"autocast"`` (a step begins at each outermost ``fc.autocast`` entry in
+    which the model's layers run, whatever other threads, tasks and models do) or
+    ``"manual"`` (``insp.step()``). ``threshold_db``: the level (dB) below which an operand
+    is flagged, one number or one per element format (``{"e4m3": 25.0}``; the others
+    keep ``DEFAULT_THRESHOLD_DB``); checked here.
     """
     return Inspector(model, every, step=step, threshold_db=threshold_db)

@@ -1,22 +1,25 @@
 """What an inspection recorded, as rows, tables and the layers to act on.
 
-``Report`` sorts the rows worst first, flags the layers whose SQNR falls below a
-threshold per element format (``DEFAULT_THRESHOLD_DB``), suggests what to change, and
-writes JSON lines, a heatmap (matplotlib) or TensorBoard scalars.
+``Report`` sorts the rows worst first by ``rank_db`` (the lower of the whole tensor's
+SQNR and its bulk's, so an outlier that flushes everything else is seen), flags the
+layers whose ``rank_db`` falls below a threshold per element format
+(``DEFAULT_THRESHOLD_DB``), suggests what to change, and writes JSON lines, a heatmap
+(matplotlib) or TensorBoard scalars.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..recipe import Format
-from .stats import OPERANDS
+from .stats import OPERANDS, OUTLIER_RATIO
 
-METRICS = ("sqnr_db", "underflow", "saturated")
+METRICS = ("rank_db", "sqnr_db", "bulk_sqnr_db", "underflow", "outliers", "saturated")
 
 # Default SQNR thresholds (dB) per element format, below which a layer is flagged. The
 # training-step benchmark's operands quantize at about 31 dB in E4M3, 25.5 dB in E5M2 and
@@ -25,9 +28,42 @@ METRICS = ("sqnr_db", "underflow", "saturated")
 DEFAULT_THRESHOLD_DB: dict[str, float] = {"e4m3": 25.0, "e5m2": 19.0, "e2m1": 11.0}
 
 
+def _level(value: Any, what: str) -> float:
+    """``value`` as a finite number of dB, or a clear error naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"fc.inspect: {what} must be a number of dB, got {value!r}")
+    level = float(value)
+    if not math.isfinite(level):
+        raise ValueError(f"fc.inspect: {what} must be a finite number of dB, got {value!r}")
+    return level
+
+
+def check_threshold(threshold_db: Any) -> float | dict[str, float] | None:
+    """``threshold_db`` checked: None (the defaults), a finite number of dB, or a dict from
+    element formats (``DEFAULT_THRESHOLD_DB``'s keys) to finite numbers of dB."""
+    if threshold_db is None:
+        return None
+    if isinstance(threshold_db, Mapping):
+        levels = {}
+        for fmt, value in threshold_db.items():
+            if fmt not in DEFAULT_THRESHOLD_DB:
+                raise ValueError(
+                    f"fc.inspect: threshold_db has an unknown element format {fmt!r}; the "
+                    f"formats are {', '.join(map(repr, DEFAULT_THRESHOLD_DB))}"
+                )
+            levels[fmt] = _level(value, f"threshold_db[{fmt!r}]")
+        return levels
+    if isinstance(threshold_db, bool) or not isinstance(threshold_db, numbers.Real):
+        raise TypeError(
+            "fc.inspect: threshold_db must be None, a number of dB or a dict from element "
+            f"formats to numbers of dB (e.g. {{'e4m3': 25.0}}), got {threshold_db!r}"
+        )
+    return _level(threshold_db, "threshold_db")
+
+
 def _worst_first(row: dict[str, Any]) -> tuple:
-    sqnr = row["sqnr_db"]
-    return (-math.inf if math.isnan(sqnr) else sqnr, -row["underflow"], -row["saturated"])
+    level = row["rank_db"]
+    return (-math.inf if math.isnan(level) else level, -row["underflow"], -row["saturated"])
 
 
 class Report:
@@ -40,31 +76,34 @@ class Report:
         recipes: dict[str, Any] | None = None,
     ) -> None:
         self._rows = sorted(rows, key=_worst_first)
-        if threshold_db is None:
-            threshold_db = DEFAULT_THRESHOLD_DB
-        self.threshold_db = threshold_db
+        threshold_db = check_threshold(threshold_db)
+        self.threshold_db = DEFAULT_THRESHOLD_DB if threshold_db is None else threshold_db
         self._recipes = dict(recipes or {})
 
     def threshold(self, fmt: str) -> float:
-        """The SQNR (dB) below which an operand in ``fmt`` is flagged."""
+        """The level (dB) of ``rank_db`` below which an operand in ``fmt`` is flagged."""
         if isinstance(self.threshold_db, dict):
             return self.threshold_db.get(fmt, DEFAULT_THRESHOLD_DB.get(fmt, 0.0))
-        return float(self.threshold_db)
+        return self.threshold_db
 
     def rows(self) -> list[dict[str, Any]]:
-        """One dict per (step, layer, operand, layout), worst SQNR first: ``layer``,
+        """One dict per (step, layer, operand, layout), worst ``rank_db`` first: ``layer``,
         ``operand``, ``layout``, ``step``, ``fmt``, ``amax``, ``scale`` (geomean over
-        blocks), ``scale_min``, ``scale_max``, ``underflow``, ``saturated``, ``sqnr_db``,
-        ``stale`` (delayed scaling; else None), ``elements``, ``calls``."""
+        blocks), ``scale_min``, ``scale_max``, ``underflow``, ``saturated``, ``rank_db``
+        (the lower of the next two), ``sqnr_db`` (whole tensor), ``bulk_sqnr_db`` (the
+        elements within ``OUTLIER_RATIO`` times the median magnitude), ``outliers`` (the
+        fraction of elements beyond), ``stale`` (delayed scaling; else None),
+        ``elements``, ``calls``."""
         return [dict(r) for r in self._rows]
 
     def steps(self) -> list[int]:
         return sorted({r["step"] for r in self._rows})
 
     def summary(self) -> list[dict[str, Any]]:
-        """Per (layer, operand, layout) over the recorded steps, worst SQNR first: the
-        worst and mean SQNR, the largest underflow, saturation, amax and staleness, the
-        scale spread (smallest and largest block scale seen)."""
+        """Per (layer, operand, layout) over the recorded steps, worst first: the worst
+        ``rank_db``, SQNR and bulk SQNR, the mean SQNR, the largest underflow, outlier
+        share, saturation, amax and staleness, the scale spread (smallest and largest
+        block scale seen)."""
         groups: dict[tuple, list[dict[str, Any]]] = {}
         for row in self._rows:
             groups.setdefault((row["layer"], row["operand"], row["layout"]), []).append(row)
@@ -79,9 +118,12 @@ class Report:
                     "layout": layout,
                     "fmt": rows[0]["fmt"],
                     "steps": len(rows),
+                    "rank_db": min(r["rank_db"] for r in rows),
                     "sqnr_db": min(r["sqnr_db"] for r in rows),
+                    "bulk_sqnr_db": min(r["bulk_sqnr_db"] for r in rows),
                     "sqnr_db_mean": sum(finite) / len(finite) if finite else math.inf,
                     "underflow": max(r["underflow"] for r in rows),
+                    "outliers": max(r["outliers"] for r in rows),
                     "saturated": max(r["saturated"] for r in rows),
                     "amax": max(r["amax"] for r in rows),
                     "scale_min": min(r["scale_min"] for r in rows),
@@ -92,11 +134,11 @@ class Report:
         return sorted(out, key=_worst_first)
 
     def flagged(self) -> list[str]:
-        """Layers with an operand whose SQNR fell below its format's threshold, worst
-        first."""
+        """Layers with an operand whose ``rank_db`` fell below its format's threshold,
+        worst first."""
         names: list[str] = []
         for row in self.summary():
-            if row["sqnr_db"] < self.threshold(row["fmt"]) and row["layer"] not in names:
+            if row["rank_db"] < self.threshold(row["fmt"]) and row["layer"] not in names:
                 names.append(row["layer"])
         return names
 
@@ -109,7 +151,7 @@ class Report:
             below = [
                 r
                 for r in self._rows
-                if r["layer"] == layer and r["sqnr_db"] < self.threshold(r["fmt"])
+                if r["layer"] == layer and r["rank_db"] < self.threshold(r["fmt"])
             ]
             if first == 0 and all(r["step"] == first and r["stale"] is not None for r in below):
                 cold.append(layer)
@@ -130,9 +172,30 @@ class Report:
             names = ", ".join(repr(n) for n in flagged)
             comma = "," if len(flagged) == 1 else ""
             out.append(
-                f"keep {len(flagged)} layer(s) in high precision (SQNR below threshold): "
+                f"keep {len(flagged)} layer(s) in high precision (SQNR of the tensor or of "
+                "its bulk below threshold): "
                 f"fc.convert(model, fc.keep_high_precision(model, names=({names}{comma})), "
                 "recipe=recipe)"
+            )
+        # Outliers that cost the rest of the tensor its precision: the bulk flagged, 6 dB
+        # or more below the whole tensor (whose SQNR is then the outliers').
+        hurt = [
+            r
+            for r in self._rows
+            if r["bulk_sqnr_db"] < self.threshold(r["fmt"])
+            and r["bulk_sqnr_db"] <= r["sqnr_db"] - 6.0
+        ]
+        if hurt:
+            worst = min(hurt, key=lambda r: r["bulk_sqnr_db"])
+            out.append(
+                f"outliers flush the bulk of {len({(r['layer'], r['operand']) for r in hurt})} "
+                f"operand(s) (worst: {worst['layer']!r} {worst['operand']} at step "
+                f"{worst['step']}: {worst['outliers']:.2%} of its elements beyond "
+                f"{OUTLIER_RATIO:g}x the median leave the rest at {worst['bulk_sqnr_db']:.1f} dB "
+                f"against {worst['sqnr_db']:.1f} dB for the whole tensor, "
+                f"{worst['underflow']:.1%} of its non-zero elements flushed to zero): keep the "
+                "layer in high precision, or "
+                "use a recipe with smaller scaling blocks, which confine an outlier to its block"
             )
         # HYBRID's E5M2 gradients: suggested when they are the weak operand (3 dB or more
         # below the E4M3 operands, or below their threshold), leaving out a delayed-scaling
@@ -180,21 +243,23 @@ class Report:
         return out
 
     def table(self, limit: int | None = None) -> str:
-        """The per-layer table (markdown), worst first; ``limit`` rows at most."""
+        """The per-layer table (markdown), worst first; ``limit`` rows at most. The dB
+        columns are each the worst over the steps, but for the mean SQNR."""
         header = (
-            "| layer | operand | layout | fmt | steps | worst SQNR dB | mean SQNR dB | "
-            "underflow | saturated | amax | scale min..max | stale |"
+            "| layer | operand | layout | fmt | steps | rank dB | SQNR dB | bulk SQNR dB | "
+            "mean SQNR dB | underflow | outliers | saturated | amax | scale min..max | stale |"
         )
-        lines = [header, "|" + "---|" * 12]
+        lines = [header, "|" + "---|" * 15]
         rows = self.summary()
         for row in rows[:limit] if limit else rows:
-            mark = " **!**" if row["sqnr_db"] < self.threshold(row["fmt"]) else ""
+            mark = " **!**" if row["rank_db"] < self.threshold(row["fmt"]) else ""
             stale = "" if row["stale"] is None else f"{row['stale']:.2f}"
             lines.append(
                 f"| {row['layer']}{mark} | {row['operand']} | {row['layout']} | {row['fmt']} | "
-                f"{row['steps']} | {row['sqnr_db']:.1f} | {row['sqnr_db_mean']:.1f} | "
-                f"{row['underflow']:.2%} | {row['saturated']:.3%} | {row['amax']:.3g} | "
-                f"{row['scale_min']:.3g}..{row['scale_max']:.3g} | {stale} |"
+                f"{row['steps']} | {row['rank_db']:.1f} | {row['sqnr_db']:.1f} | "
+                f"{row['bulk_sqnr_db']:.1f} | {row['sqnr_db_mean']:.1f} | "
+                f"{row['underflow']:.2%} | {row['outliers']:.2%} | {row['saturated']:.3%} | "
+                f"{row['amax']:.3g} | {row['scale_min']:.3g}..{row['scale_max']:.3g} | {stale} |"
             )
         return "\n".join(lines)
 
@@ -223,14 +288,14 @@ class Report:
     def heatmap(
         self,
         path: str | os.PathLike[str],
-        metric: str = "sqnr_db",
+        metric: str = "rank_db",
         *,
         operands: Iterable[str] = OPERANDS,
         title: str | None = None,
     ) -> None:
         """A PNG: one row per (layer, operand) (its worst layout), one column per step,
-        coloured by ``metric`` (``sqnr_db``, ``underflow`` or ``saturated``). Needs
-        matplotlib."""
+        coloured by ``metric`` (one of ``METRICS``: ``rank_db``, the one rows are ranked
+        by, by default). Needs matplotlib."""
         if metric not in METRICS:
             raise ValueError(f"fc.inspect heatmap: metric must be one of {METRICS}, got {metric!r}")
         try:
@@ -254,7 +319,8 @@ class Report:
             if row["operand"] in operands and label not in order:
                 order[label] = len(labels)
                 labels.append(label)
-        worse = min if metric == "sqnr_db" else max
+        in_db = metric.endswith("_db")
+        worse = min if in_db else max
         grid = [[math.nan] * len(steps) for _ in labels]
         column = {s: i for i, s in enumerate(steps)}
         for row in self._rows:
@@ -262,22 +328,25 @@ class Report:
             if label not in order:
                 continue
             value = row[metric]
-            if metric == "sqnr_db" and not math.isfinite(value):
+            if in_db and not math.isfinite(value):
                 value = 99.0 if value > 0 else math.nan
             cell = grid[order[label]][column[row["step"]]]
             grid[order[label]][column[row["step"]]] = (
                 value if math.isnan(cell) else worse(cell, value)
             )
         fig, ax = plt.subplots(figsize=(max(4.0, 0.3 * len(steps) + 3), 0.28 * len(labels) + 1.5))
-        cmap = "viridis" if metric == "sqnr_db" else "magma_r"
+        cmap = "viridis" if in_db else "magma_r"
         image = ax.imshow(grid, aspect="auto", cmap=cmap, interpolation="nearest")
         ax.set_yticks(range(len(labels)), labels, fontsize=7)
         ticks = list(range(0, len(steps), max(1, len(steps) // 12)))
         ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=7)
         ax.set_xlabel("step")
         names = {
+            "rank_db": "SQNR, whole or bulk, the lower (dB)",
             "sqnr_db": "SQNR (dB)",
+            "bulk_sqnr_db": "bulk SQNR (dB)",
             "underflow": "underflow fraction",
+            "outliers": "outlier fraction",
             "saturated": "saturated",
         }
         fig.colorbar(image, ax=ax, label=names[metric])

@@ -24,6 +24,13 @@ LAYOUTS = ("rowwise", "columnwise")
 # maximum (the amax element of current scaling: its product rounds in FP32).
 _CLIP_SLACK = 1e-5
 
+# The bulk of a layout: its elements no larger than OUTLIER_RATIO times the median
+# magnitude of its non-zero ones; the others are its outliers. 16x the median is beyond
+# every element of a Gaussian or Laplace tensor of this size (0 and <0.1% left out), so
+# there the bulk is the tensor; an outlier feature is left out and the bulk's SQNR shows
+# what its scale did to everything else (flushed to zero: about 0 dB).
+OUTLIER_RATIO = 16.0
+
 # Per observation, the order of the statistics in the one tensor that crosses to the host.
 _FIELDS = (
     "amax",
@@ -38,6 +45,9 @@ _FIELDS = (
     "log_scale_sum",
     "scales",
     "stale",
+    "bulk_signal",
+    "bulk_noise",
+    "outliers",
 )
 
 
@@ -63,6 +73,11 @@ def layout_stats(
         ref64, deq64 = ref.double(), deq.double()
         mag = ref.abs()
         nonzero = mag > 0
+        signal, noise = ref64.square(), (ref64 - deq64).square()
+        median = mag.new_full((), math.nan)  # stays NaN without a non-zero element
+        if mag.numel():
+            median = torch.nanmedian(torch.where(nonzero, mag, math.nan))
+        bulk = mag <= OUTLIER_RATIO * median  # (all False when the median is NaN)
         clipped = (values.abs() == fmt_max) & (mag > deq.abs() * (1 + _CLIP_SLACK))
         amax = mag.max() if mag.numel() else mag.new_zeros(())
         scale_inv = op._decode_scales(op.scale_inv).float().reshape(-1)
@@ -78,8 +93,8 @@ def layout_stats(
             stale = amax / behind
         stats = [
             amax,
-            ref64.square().sum(),
-            (ref64 - deq64).square().sum(),
+            signal.sum(),
+            noise.sum(),
             finite.sum(),
             nonzero.sum(),
             (nonzero & (deq == 0)).sum(),
@@ -89,6 +104,9 @@ def layout_stats(
             log_sum,
             torch.tensor(float(usable.numel()), device=ref.device),
             stale,
+            torch.where(bulk, signal, 0.0).sum(),
+            torch.where(bulk, noise, 0.0).sum(),
+            (nonzero & ~bulk).sum(),
         ]
         return torch.stack([s.to(device=ref.device, dtype=torch.float64) for s in stats])
 
@@ -113,6 +131,8 @@ def _derive(key: tuple, acc: dict[str, Any]) -> dict[str, Any]:
     step, layer, operand, layout = key
     scales = acc["scales"]
     nonzero, elements = acc["nonzero"], acc["elements"]
+    sqnr = _sqnr(acc["signal"], acc["noise"])
+    bulk = _sqnr(acc["bulk_signal"], acc["bulk_noise"]) if acc["bulk_signal"] else sqnr
     return {
         "layer": layer,
         "operand": operand,
@@ -125,7 +145,10 @@ def _derive(key: tuple, acc: dict[str, Any]) -> dict[str, Any]:
         "scale_max": acc["scale_max"],
         "underflow": acc["underflow"] / nonzero if nonzero else 0.0,
         "saturated": acc["saturated"] / elements if elements else 0.0,
-        "sqnr_db": _sqnr(acc["signal"], acc["noise"]),
+        "rank_db": min(sqnr, bulk),
+        "sqnr_db": sqnr,
+        "bulk_sqnr_db": bulk,
+        "outliers": acc["outliers"] / elements if elements else 0.0,
         "stale": None if math.isnan(acc["stale"]) else acc["stale"],
         "elements": int(elements),
         "calls": acc["calls"],

@@ -118,6 +118,39 @@ def mark_ran(frame: AutocastFrame) -> None:
 # Whether fastcast's tracing ranges are on (fastcast.profiling: enable/disable set it).
 ranges_on = False
 
+# The observer of quantized layer calls: ``observer(module, frame, plan) -> plan``, called
+# by ``fastcast.nn.linear.plan_for`` in eager code with the plan a call is about to run,
+# and returning the plan it runs (fc.inspect stands its recording quantizers in). None
+# while none is attached: the hot path then pays one test.
+layer_observer: Any = None
+
+
+def attach_layer_observer(observer: Any) -> None:
+    """Attach ``observer`` (one at a time: a RuntimeError while another is attached)."""
+    global layer_observer
+    if layer_observer is not None:
+        raise RuntimeError("fastcast: another layer observer is attached (an inspection is on)")
+    layer_observer = observer
+
+
+def detach_layer_observer(observer: Any) -> None:
+    """Detach ``observer`` if it is the attached one."""
+    global layer_observer
+    if layer_observer is observer:
+        layer_observer = None
+
+
+def outermost_active(stack: Stack) -> Stack | None:
+    """The node of ``stack`` whose frame is its outermost active level (None: none is):
+    one per entry of that level, so the identity of one step of the code that entered it."""
+    outer = None
+    while stack is not None:
+        if stack[0].active:
+            outer = stack
+        stack = stack[1]
+    return outer
+
+
 # Whether fc.autocast still has to warn that an enabled autocast saw no fastcast layer
 # run (once per process; autocast.py).
 unused_autocast_warning_due = True
