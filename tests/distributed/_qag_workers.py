@@ -265,13 +265,28 @@ class CallBytes:
         dist.all_gather_single = self._orig
 
 
-def four_run(name: str, quantized: bool, rank: int | None, world: int) -> dict[str, Any]:
+def four_run(
+    name: str,
+    quantized: bool,
+    rank: int | None,
+    world: int,
+    start: list[dict[str, torch.Tensor]] | None = None,
+) -> dict[str, Any]:
     """SGD on the MLP, every fc.Linear and the root ``fully_shard``-ed over the ranks,
     each rank its rows (``rank=None``: one process, all rows at once, or each rank's rows
-    as a micro-batch for ``PER_RANK_REFERENCE``, gradients accumulated). The first
-    ``STEPS`` losses (per rank) and first-step gradients, the parameters after ``STEPS``,
+    as a micro-batch for ``PER_RANK_REFERENCE``, gradients accumulated). For each of the
+    first ``STEPS`` steps: the loss (per rank), the gradients and the parameters after it;
     the bytes of each of the first step's gathers, the live tensors after
-    ``FOUR_LIVE_AFTER`` steps, the warnings, the GEMMs that took a gathered weight."""
+    ``FOUR_LIVE_AFTER`` steps, the warnings, the GEMMs that took a gathered weight.
+
+    ``start`` (the reference): step ``s > 0`` starts from ``start[s - 1]``, the sharded
+    run's parameters after step ``s - 1``, instead of its own. A quantizer is a step
+    function: an FP32 rounding difference in the parameters (FSDP2's reduce-scatter adds
+    in another order) moves an element across an FP8 rounding midpoint now and then, and
+    from there the two trajectories differ by FP8 steps, not FP32 rounding. Started from
+    the same parameters (SGD keeps no other state; a delayed history records the same
+    amaxes from the same parameters), each step differs by the gradient reduction's
+    rounding only."""
     import warnings  # noqa: PLC0415
 
     from _dist_workers import _live_storage  # noqa: PLC0415
@@ -285,7 +300,7 @@ def four_run(name: str, quantized: bool, rank: int | None, world: int) -> dict[s
         model = _shard(model)
     group = dist.group.WORLD if sharded else None
     opt = torch.optim.SGD(model.parameters(), lr=LR * world if sharded else LR)
-    res: dict[str, Any] = {"losses": []}
+    res: dict[str, Any] = {"losses": [], "grads": [], "params": []}
     with (
         warnings.catch_warnings(record=True) as caught,
         CallBytes() as gathers,
@@ -293,6 +308,10 @@ def four_run(name: str, quantized: bool, rank: int | None, world: int) -> dict[s
     ):
         warnings.simplefilter("always")
         for step in range(FOUR_STEPS if sharded else STEPS):
+            if start is not None and step > 0:
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        p.copy_(start[step - 1][n])
             x, y = four_batch(step % STEPS, world)
             gathers.phase = "forward" if step == 0 else "later"
             if sharded:
@@ -309,17 +328,18 @@ def four_run(name: str, quantized: bool, rank: int | None, world: int) -> dict[s
                     gathers.phase = "backward"
                 loss.backward()
                 losses.append(loss.detach())
-            if step == 0:
-                res["grads"] = {
-                    n: (p.grad.full_tensor() if sharded else p.grad).clone()
-                    for n, p in model.named_parameters()
-                }
+            if step < STEPS:
+                res["grads"].append(
+                    {
+                        n: (p.grad.full_tensor() if sharded else p.grad).clone()
+                        for n, p in model.named_parameters()
+                    }
+                )
             opt.step()
             opt.zero_grad(set_to_none=True)
             if step < STEPS:
                 res["losses"].append(torch.stack(losses).sum())
-            if step == STEPS - 1:
-                res["params"] = _plain(full_params(model))
+                res["params"].append(_plain(full_params(model)))
             if sharded and quantized and step + 1 in FOUR_LIVE_AFTER:
                 res.setdefault("live", []).append(torch.tensor(_live_storage(res)))
     res["losses"] = torch.stack(res["losses"])
@@ -334,7 +354,8 @@ def section_qag_four(rank: int, world: int) -> dict[str, Any]:
     for i, name in enumerate(RECIPES):
         out[f"{name}.q"] = isolated(four_run, name, True, rank, world)
         if i % world == rank:  # the single-process references, shared out over the ranks
-            out[f"{name}.reference"] = isolated(four_run, name, False, None, world)
+            start = out[f"{name}.q"]["params"]  # (every rank holds the same parameters)
+            out[f"{name}.reference"] = isolated(four_run, name, False, None, world, start)
     return out
 
 

@@ -13,17 +13,23 @@ from typing import Any
 import _mesh_workers as workers
 import pytest
 import torch
+from _bounds import assert_sum_rounding
 from _spawn import DISTRIBUTED_MARKS, share, spawn_ranks
 
 pytestmark = DISTRIBUTED_MARKS
 
 HARD_TIMEOUT = 240.0  # seconds for a whole spawn; a healthy one takes well under a minute
+# A compiling spawn's guard: each rank compiles its graphs itself, and from an empty Inductor
+# cache on two busy cores that alone took over 240 s.
+COMPILE_TIMEOUT = 600.0
 
 
-def spawn(section: str, world: int, out_dir: Path, env: dict[str, str]) -> list[dict[str, Any]]:
+def spawn(
+    section: str, world: int, out_dir: Path, env: dict[str, str], timeout: float = HARD_TIMEOUT
+) -> list[dict[str, Any]]:
     """Run ``section`` on ``world`` spawned ranks (``env`` added to their environment);
-    their results, by rank. A rank still running after ``HARD_TIMEOUT`` is killed."""
-    return spawn_ranks(workers.entry, section, world, out_dir, HARD_TIMEOUT, env)
+    their results, by rank. A rank still running after ``timeout`` seconds is killed."""
+    return spawn_ranks(workers.entry, section, world, out_dir, timeout, env)
 
 
 @pytest.fixture(scope="module")
@@ -208,22 +214,30 @@ def test_fsdp2_kept_weight_dropped_when_the_weight_changes(saved, recipe):
 
 @pytest.fixture(scope="module")
 def mesh_compile(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn("mesh_compile", 2, tmp_path_factory.mktemp("mesh_compile"), {})
+    return spawn("mesh_compile", 2, tmp_path_factory.mktemp("mesh_compile"), {}, COMPILE_TIMEOUT)
 
 
 @pytest.mark.compile
 def test_compiled_fsdp2_delayed_scaling(mesh_compile):
     """``torch.compile`` of an FSDP2 model, DelayedScaling over the world group: with
     FSDP2's high-precision gather and with the quantized (FP8) gather, the eager outputs
-    and gradients bit for bit. (With the group, Dynamo runs the layers' quantization in
-    eager; the GEMMs take the gathered FP8 weight as eager's do.)"""
+    and gradients within FP32 rounding. (With the group, Dynamo runs the layers'
+    quantization in eager; the GEMMs take the gathered FP8 weight as eager's do.)
+
+    Not bit for bit: eager adds the last layer's bias after its GEMM, the compiled graph
+    in it (``addmm``: MKL's kernel for this CPU orders the adds), and the bias gradient
+    is ATen's cascade sum in eager, Inductor's loop compiled. Bound (``_bounds``): an
+    output is a sum of 256 products and the bias, a bias gradient one of 2 x 128 tokens'
+    gradients: 2 * 256 * U (3.1e-5) relative; measured 5e-8 on an AVX2 EPYC."""
+    terms = workers.base.TP_HIDDEN + 1
     for result in mesh_compile:
         for kind in ("hp", "fp8"):
             eager, compiled = result[f"{kind}.eager"], result[f"{kind}.compiled"]
             assert eager["error"] == compiled["error"] == "", kind
             assert len(compiled["outs"]) == len(eager["outs"]) == 2
-            for a, b in zip(compiled["outs"], eager["outs"], strict=True):
-                assert torch.equal(a, b), kind
-            for ga, gb in zip(compiled["grads"], eager["grads"], strict=True):
-                assert all(torch.equal(a, b) for a, b in zip(ga, gb)), kind
+            for step, (a, b) in enumerate(zip(compiled["outs"], eager["outs"], strict=True)):
+                assert_sum_rounding(a, b, terms, (kind, step))
+            for step, (ga, gb) in enumerate(zip(compiled["grads"], eager["grads"], strict=True)):
+                for i, (a, b) in enumerate(zip(ga, gb, strict=True)):
+                    assert_sum_rounding(a, b, terms, (kind, step, i))
         assert all(r["autocast_closed"] for r in result.values())
