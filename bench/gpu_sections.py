@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import fastcast as fc
+from bench.cuda_host_estimate import fwd_bwd
 from fastcast.kernels import choice
 from fastcast.runtime import hardware
 
@@ -431,38 +432,27 @@ def block_scaled_probe(setup: Setup) -> dict:
     F = torch.nn.functional
     if hasattr(F, "scaled_mm"):
         st = F.ScalingType
-        forms["F.scaled_mm(1x128, 128x128)"] = lambda: F.scaled_mm(
-            qx.data,
-            qw.data.t(),
-            col_a,
-            st.BlockWise1x128,
-            col_b,
-            st.BlockWise128x128,
-            output_dtype=torch.bfloat16,
-        )
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        forms["F.scaled_mm(1x128, 128x128) fp32 out"] = lambda: F.scaled_mm(
-            qx.data,
-            qw.data.t(),
-            col_a,
-            st.BlockWise1x128,
-            col_b,
-            st.BlockWise128x128,
-            output_dtype=torch.float32,
-        )
-        forms["F.scaled_mm(1x128, 128x128) bf16 + bias"] = lambda: (
-            F.scaled_mm(
-                qx.data,
-                qw.data.t(),
-                col_a,
-                st.BlockWise1x128,
-                col_b,
-                st.BlockWise128x128,
-                bias=bias,
-                output_dtype=torch.bfloat16,
-            )
-            - bias
-        )
+
+        def tiles(out_dtype: torch.dtype, with_bias: bool = False) -> Callable[[], torch.Tensor]:
+            def call() -> torch.Tensor:
+                out = F.scaled_mm(
+                    qx.data,
+                    qw.data.t(),
+                    col_a,
+                    st.BlockWise1x128,
+                    col_b,
+                    st.BlockWise128x128,
+                    bias=bias if with_bias else None,
+                    output_dtype=out_dtype,
+                )
+                return out - bias if with_bias else out
+
+            return call
+
+        forms["F.scaled_mm(1x128, 128x128)"] = tiles(torch.bfloat16)
+        forms["F.scaled_mm(1x128, 128x128) fp32 out"] = tiles(torch.float32)
+        forms["F.scaled_mm(1x128, 128x128) bf16 + bias"] = tiles(torch.bfloat16, with_bias=True)
     for name, call in forms.items():
         try:
             out = call()
@@ -560,18 +550,6 @@ def bandwidth(setup: Setup) -> dict:
     return result
 
 
-def _layer_step(layer: nn.Module, x: torch.Tensor, recipe: fc.Recipe | None) -> Callable[[], None]:
-    def step() -> None:
-        if recipe is None:
-            y = layer(x)
-        else:
-            with fc.autocast(recipe=recipe):
-                y = layer(x)
-        y.sum().backward()
-
-    return step
-
-
 def host_us(step: Callable[[], None], setup: Setup, calls: int) -> tuple[float, float]:
     """(median host µs per call with no sync in the loop, wall µs per call including the
     device's catching up at the end)."""
@@ -597,7 +575,7 @@ def host_time(setup: Setup) -> dict:
     base_layer = nn.Linear(64, 64, device=dev, dtype=dtype)
     # nn.Linear before and after the recipes, the lower taken: a busy host moment then
     # costs the baseline no more than the layers it is compared with.
-    base, base_wall = host_us(_layer_step(base_layer, x, None), setup, calls)
+    base, base_wall = host_us(fwd_bwd(base_layer, x, None), setup, calls)
     result: dict[str, Any] = {
         "nn.Linear_us": round(base, 1),
         "nn.Linear_wall_us": round(base_wall, 1),
@@ -606,10 +584,10 @@ def host_time(setup: Setup) -> dict:
         kernels_mode(mode)
         for rname in TRAINING:
             layer = fc.convert(nn.Sequential(nn.Linear(64, 64, device=dev, dtype=dtype)))
-            us, wall = host_us(_layer_step(layer, x, RECIPES[rname]), setup, calls)
+            us, wall = host_us(fwd_bwd(layer, x, RECIPES[rname]), setup, calls)
             result[f"{rname}/{mode}"] = {"us": round(us, 1), "wall_us": round(wall, 1)}
     kernels_mode("auto")
-    again, _ = host_us(_layer_step(base_layer, x, None), setup, calls)
+    again, _ = host_us(fwd_bwd(base_layer, x, None), setup, calls)
     result["nn.Linear_again_us"] = round(again, 1)
     base = min(base, again)
     for entry in result.values():
@@ -634,7 +612,7 @@ def profile(setup: Setup) -> dict:
     try:
         for rname in (None, *TRAINING):
             layer = fc.convert(nn.Sequential(nn.Linear(1024, 1024, device=dev, dtype=dtype)))
-            step = _layer_step(layer, x, RECIPES[rname] if rname else None)
+            step = fwd_bwd(layer, x, RECIPES[rname] if rname else None)
             for _ in range(3):
                 step()
             setup.sync()

@@ -147,8 +147,9 @@ def build_key() -> dict[str, str]:
     }
 
 
-def _compiler_version(path: str | None) -> str:
-    """The first line of ``path --version`` (empty when it does not answer)."""
+def _compiler_version(path: str | None, marker: str = "") -> str:
+    """The first line of ``path --version`` that holds ``marker`` (nvcc's first line names
+    only the tool: its release line is asked for), empty when it does not answer."""
     if path is None:
         return ""
     try:
@@ -157,7 +158,7 @@ def _compiler_version(path: str | None) -> str:
         )
     except (OSError, subprocess.SubprocessError) as exc:
         return f"({type(exc).__name__})"
-    lines = done.stdout.strip().splitlines()
+    lines = [line.strip() for line in done.stdout.strip().splitlines() if marker in line]
     return lines[0] if lines else f"(exit status {done.returncode})"
 
 
@@ -352,26 +353,12 @@ def cuda_build_key() -> dict[str, str]:
         **build_key(),
         "cuda_sources": sources.hexdigest(),
         "nvcc": compiler or "(not found)",
-        "nvcc_version": _nvcc_version(compiler),
+        "nvcc_version": _compiler_version(compiler, "release"),
         "nvcc_flags": " ".join(NVCC_FLAGS),
         # TORCH_CUDA_ARCH_LIST, else the visible GPUs: what the kernels are compiled for.
         "cuda_arch": " ".join(cpp_extension._get_cuda_arch_flags()),
         "torch_cuda": str(torch.version.cuda),
     }
-
-
-def _nvcc_version(path: str | None) -> str:
-    """The release line of ``nvcc --version`` (its first line names only the tool)."""
-    if path is None:
-        return ""
-    try:
-        done = subprocess.run(
-            [path, "--version"], capture_output=True, text=True, timeout=60, check=False
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"({type(exc).__name__})"
-    lines = [line for line in done.stdout.splitlines() if "release" in line]
-    return lines[0].strip() if lines else f"(exit status {done.returncode})"
 
 
 def load_cuda() -> float:
