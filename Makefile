@@ -35,8 +35,9 @@ kernels: $(STAMP)
 test: kernels
 	$(PY) -m pytest tests bench/tests
 
-# The minutes-long tests (marked slow): a wheel installed into a fresh environment, and
-# builds from an empty kernel directory (.ci/run runs them after `make test`).
+# The minutes-long tests (marked slow): a wheel installed into a fresh environment,
+# builds from an empty kernel directory, nvcc's compile check of the CUDA kernels, and the
+# longest compile and multi-rank runs (.ci/run runs them after `make test`).
 test-slow: kernels
 	FASTCAST_SLOW_TESTS=1 $(PY) -m pytest tests -m slow
 

@@ -161,8 +161,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     "recipe",
     [
         fc.Float8BlockScaling(),
-        fc.MXFP8BlockScaling(),
-        fc.NVFP4BlockScaling(stochastic_rounding=False),
+        pytest.param(fc.MXFP8BlockScaling(), marks=pytest.mark.slow),  # 38 s cold
+        pytest.param(fc.NVFP4BlockScaling(stochastic_rounding=False), marks=pytest.mark.slow),
     ],
     ids=["block", "mxfp8", "nvfp4"],
 )

@@ -522,6 +522,7 @@ def fsdp_fp8_compile(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str,
 
 
 @pytest.mark.compile
+@pytest.mark.slow  # 28 s: two ranks compiling
 def test_fsdp_fp8_all_gather_compiled(fsdp_fp8_compile):
     # torch.compile of the FSDP2 model, Float8CurrentScaling (FSDP2's hooks break the
     # graph): the eager outputs and gradients, bit for bit, and every forward GEMM takes

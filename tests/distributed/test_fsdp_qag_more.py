@@ -129,6 +129,7 @@ def fp32_gather_bytes(out_features: int, in_features: int, world: int) -> int:
     return 4 * rows * (in_features + 1)
 
 
+@pytest.mark.slow  # the 4-rank spawn: 48 s
 @pytest.mark.parametrize("recipe", workers.RECIPES)
 def test_four_ranks_match_one_process(qag_four, recipe):
     """4 gloo ranks, every recipe, 3 SGD steps with the quantized gather, against one
@@ -174,6 +175,7 @@ def test_four_ranks_match_one_process(qag_four, recipe):
     print(f"\n4 ranks {recipe}: losses {loss_rel:.1e}, grads {worst[0]:.1e}, params {worst[1]:.1e}")
 
 
+@pytest.mark.slow  # the 4-rank spawn: 48 s
 @pytest.mark.parametrize("recipe", workers.RECIPES)
 def test_four_ranks_bytes(qag_four, recipe):
     """Each fc.Linear's forward and backward all-gather against the FP32 gather's, 4 ranks:
@@ -203,6 +205,7 @@ def test_four_ranks_bytes(qag_four, recipe):
             print(f"\n4 ranks {recipe}: fc.Linear gathers vs FP32 {shown}; all {total:.3f}")
 
 
+@pytest.mark.slow  # the 4-rank spawn: 48 s
 @pytest.mark.parametrize("recipe", workers.RECIPES)
 def test_four_ranks_no_leak(qag_four, recipe):
     """No growth on any rank (the per-tensor recipes' last layer with its padded shards,
@@ -225,6 +228,7 @@ def qag_compile(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
 
 
 @pytest.mark.compile
+@pytest.mark.slow  # 70 s: two ranks compiling
 def test_compiled_fsdp2_with_the_quantized_gather(qag_compile):
     """``torch.compile`` of an FSDP2 model with the quantized gather, 2 ranks, 2 SGD steps,
     against eager, bit for bit (outputs and gradients): block's square tiles, whose graph

@@ -218,6 +218,7 @@ def mesh_compile(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any
 
 
 @pytest.mark.compile
+@pytest.mark.slow  # 46 s: two ranks compiling
 def test_compiled_fsdp2_delayed_scaling(mesh_compile):
     """``torch.compile`` of an FSDP2 model, DelayedScaling over the world group: with
     FSDP2's high-precision gather and with the quantized (FP8) gather, the eager outputs

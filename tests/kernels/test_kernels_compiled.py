@@ -220,6 +220,7 @@ def test_record_amax(modes):
     assert torch.equal(want[2], torch.tensor([1.0, 2.0, 0.0, 0.0]))  # (3, 0, 5): empty
 
 
+@pytest.mark.slow  # 20-50 s of Inductor compiles on two cores
 def test_block_scaling(modes):
     # 1x128 tiles, both layouts (the column-wise one quantizes the transposed view);
     # 128x128 tiles, whose column-wise layout is the row-wise one transposed. Every
@@ -257,6 +258,7 @@ def test_mxfp8(modes):
     _assert_all_same(got, want)
 
 
+@pytest.mark.slow  # 20-50 s of Inductor compiles on two cores
 def test_nvfp4(modes):
     # 1x16 with stochastic rounding (gradients), both layouts, 3-D inputs; 16x16 tiles to
     # nearest (weights), both layouts.
@@ -278,6 +280,7 @@ def test_nvfp4(modes):
     assert torch.equal(got_state, want_state)  # the same draws, from the same generator
 
 
+@pytest.mark.slow  # 20-50 s of Inductor compiles on two cores
 def test_rowwise(modes):
     # Per row and per column (the column-wise layout), power-of-2 and FP32 scales.
     cases = [
@@ -352,7 +355,8 @@ def test_cuda_choice_without_triton(monkeypatch, modes):
     monkeypatch.setattr(choice, "_triton_missing", lambda: None)
     for mode in ("auto", "fused", "compiled"):
         modes(mode)
-        assert choice._resolve_cuda() is compiled.ops()
+        # (A CPU torch builds no native CUDA kernels: every operator is the compiled one.)
+        assert choice._resolve_cuda() == compiled.ops()
     modes("reference")
     assert choice._resolve_cuda() == {}
 
