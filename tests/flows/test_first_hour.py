@@ -173,6 +173,7 @@ def test_nvfp4_shape_error_quotes_the_layer_not_the_padded_tokens():
 
 
 @pytest.mark.compile
+@pytest.mark.slow  # 61 s of cold compiles on two cores
 def test_nvfp4_compiled_gradients_equal_eager_with_inductor_fallback_random(fresh_dynamo):
     """Inductor draws stochastic rounding's numbers with its own generator unless
     ``fallback_random`` is set (docs/first-hour.md); with it, a compiled NVFP4 step's

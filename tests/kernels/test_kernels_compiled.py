@@ -241,6 +241,7 @@ def test_block_scaling(modes):
     _assert_all_same(got, want)
 
 
+@pytest.mark.slow  # 30 s of Inductor compiles on two cores
 def test_mxfp8(modes):
     cases = [
         (torch.float32, MXFP8Quantizer("e4m3", "rceil"), True, [(64, 96), (2, 48, 160)]),
