@@ -157,12 +157,9 @@ FASTCAST_HD uint8_t cast_e4m3(float v, float scale, float fmt_max) {
 // NaN whatever its operand's sign (the first H200 run: every E5M2 cast of a negative NaN
 // was 0x7F on the device, 0xFF on the CPU).
 FASTCAST_HD uint8_t cast_e5m2(float v, float scale, float fmt_max) {
-  const uint32_t magnitude_bits = bits_of(v) & 0x7FFFFFFFu;
-  const bool inf = magnitude_bits == 0x7F800000u;
-  const float y = inf ? v : clamp(v * scale, fmt_max);
-  const uint8_t code = round_to_fp8<2, 15>(y, 143u << 23, 0x7Cu, 0x7Fu);
-  const uint8_t nan = static_cast<uint8_t>(0x7Fu | ((bits_of(v) >> 24) & 0x80u));
-  return magnitude_bits > 0x7F800000u ? nan : code;
+  const bool inf_or_nan = (bits_of(v) & 0x7FFFFFFFu) >= 0x7F800000u;
+  const float y = inf_or_nan ? v : clamp(v * scale, fmt_max);
+  return round_to_fp8<2, 15>(y, 143u << 23, 0x7Cu, 0x7Fu);
 }
 
 template <bool E4M3>
