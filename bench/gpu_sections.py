@@ -30,6 +30,7 @@ from torch import nn
 
 import fastcast as fc
 from bench.cuda_host_estimate import fwd_bwd
+from fastcast.gemm_grouped import grouped_scaling
 from fastcast.kernels import choice
 from fastcast.runtime import hardware
 
@@ -496,22 +497,14 @@ def grouped(setup: Setup) -> dict:
             try:
                 y = fc.grouped_mm(x, w, offs, recipe)
                 entry[mode] = round(_rel_err(y[: ref.shape[0]], ref), 5)
-                entry[mode + "_backend"] = hardware.grouped_gemm_backend(dev, _family(recipe))[1]
+                family = grouped_scaling(recipe).family
+                entry[mode + "_backend"] = hardware.grouped_gemm_backend(dev, family)[1]
             except Exception as exc:  # noqa: BLE001
                 entry[mode] = f"{type(exc).__name__}: {str(exc)[:200]}"
         out[rname] = entry
     os.environ.pop("FASTCAST_GEMM", None)
     hardware.refresh()
     return out
-
-
-def _family(recipe: fc.Recipe) -> str:
-    q = (
-        fc.quantize(torch.zeros(32, 32), recipe, "input")
-        if not isinstance(recipe, fc.DelayedScaling)
-        else None
-    )
-    return q.family if q is not None else "tensorwise"
 
 
 # -- speed: bandwidth, host time, profile ----------------------------------------------

@@ -15,10 +15,9 @@ import torch
 
 from .kernels import fused_op
 from .profiling import annotate
+from .reference.tiles import TILE
 from .runtime import hardware
 from .tensor import WHOLE, QuantizedTensor
-
-BLOCK = 128  # the 1x128 / 128x128 tiles' edge
 
 BACKENDS = ("hardware", "emulate")
 
@@ -152,11 +151,11 @@ def _fits_cuda_kernel(a: QuantizedTensor, b: QuantizedTensor) -> bool:
     k, n = a.shape[-1], b.shape[0]
     both_e5m2 = a.fmt == "e5m2" and b.fmt == "e5m2"
     fits = k % 16 == 0 and n % 16 == 0 and not both_e5m2
-    if fits and a.block[1] == BLOCK:
+    if fits and a.block[1] == TILE:
         # Whole 128-element tiles along K, and whole 128-row tiles for 128x128 operands
         # (cuBLASLt's block-scaled GEMM has no partial tiles).
         m = a.data.numel() // k
-        fits = k % BLOCK == 0 and m % a.block[0] == 0 and n % b.block[0] == 0 and m % 16 == 0
+        fits = k % TILE == 0 and m % a.block[0] == 0 and n % b.block[0] == 0 and m % 16 == 0
     return fits
 
 
@@ -190,7 +189,7 @@ def _scaled_mm_hardware(
         dtype = out_dtype if direct else torch.float32
         if b.fmt != "e4m3" or not hardware.cuda_rowwise_output(dtype):
             return _scaled_mm_emulated(a, b, out_dtype, bias, accumulate)
-    if a.block[1] == BLOCK and a2.is_cuda:
+    if a.block[1] == TILE and a2.is_cuda:
         return _scaled_mm_blocks(a, b, a2, b2, out_dtype, bias, accumulate)
     per_tensor = a.block == b.block == WHOLE
     fused = fused_op("scaled_mm_tensorwise", a2) if per_tensor else None

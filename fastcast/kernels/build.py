@@ -239,28 +239,36 @@ def _build_or_import(directory: Path, key: dict[str, str]) -> ModuleType:
         "building the fused C++ quantize kernels (first use with this compiler, Python "
         f"and torch; about 30-60 s on two cores) in {directory}"
     )
+    with _build_step("fused kernels", directory, key):
+        sources = _copy_sources(directory / SOURCE_COPY)
+        module = cpp_extension.load(
+            name=NAMESPACE,
+            sources=[str(s) for s in sources],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(directory),
+            is_python_module=True,
+            verbose=False,
+        )
+    return module
+
+
+@contextlib.contextmanager
+def _build_step(what: str, directory: Path, key: dict[str, str]) -> Iterator[None]:
+    """Around one library's compile (the caller holds the directory's lock): ninja on
+    PATH, the time it took said on stderr, and the ``built`` stamp once it succeeded."""
     start = time.perf_counter()
     try:
         # torch's own lock file: left behind by a build that was killed, it would make
         # cpp_extension wait forever. Nobody else is building here: we hold the lock.
         (directory / "lock").unlink(missing_ok=True)
-        sources = _copy_sources(directory / SOURCE_COPY)
         with _ninja_on_path():
-            module = cpp_extension.load(
-                name=NAMESPACE,
-                sources=[str(s) for s in sources],
-                extra_cflags=list(CFLAGS),
-                extra_ldflags=list(LDFLAGS),
-                build_directory=str(directory),
-                is_python_module=True,
-                verbose=False,
-            )
+            yield
     except Exception:
-        _say(f"building the fused kernels failed after {time.perf_counter() - start:.1f} s")
+        _say(f"building the {what} failed after {time.perf_counter() - start:.1f} s")
         raise
-    stamp.write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
-    _say(f"built the fused kernels in {time.perf_counter() - start:.1f} s")
-    return module
+    (directory / BUILT_STAMP).write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
+    _say(f"built the {what} in {time.perf_counter() - start:.1f} s")
 
 
 def _copy_sources(
@@ -407,26 +415,18 @@ def _build_or_load_cuda(directory: Path, key: dict[str, str]) -> None:
         "building the CUDA quantize kernels (first use with this nvcc, torch and GPU; "
         f"about a minute) in {directory}"
     )
-    start = time.perf_counter()
-    try:
-        (directory / "lock").unlink(missing_ok=True)  # as in _build_or_import
+    with _build_step("CUDA kernels", directory, key):
         sources = _copy_sources(directory / SOURCE_COPY, CUDA_SOURCES, CUDA_HEADERS)
-        with _ninja_on_path():
-            cpp_extension.load(
-                name=CUDA_NAME,
-                sources=[str(s) for s in sources],
-                extra_cflags=["-O3"],
-                extra_cuda_cflags=list(NVCC_FLAGS),
-                build_directory=str(directory),
-                is_python_module=False,  # loaded with torch.ops.load_library
-                with_cuda=True,
-                verbose=False,
-            )
-    except Exception:
-        _say(f"building the CUDA kernels failed after {time.perf_counter() - start:.1f} s")
-        raise
-    stamp.write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
-    _say(f"built the CUDA kernels in {time.perf_counter() - start:.1f} s")
+        cpp_extension.load(
+            name=CUDA_NAME,
+            sources=[str(s) for s in sources],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=list(NVCC_FLAGS),
+            build_directory=str(directory),
+            is_python_module=False,  # loaded with torch.ops.load_library
+            with_cuda=True,
+            verbose=False,
+        )
 
 
 def cuda_ops() -> tuple[str, ...]:
