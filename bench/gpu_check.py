@@ -23,7 +23,8 @@ that fails or runs long still leaves the others their results:
 Results go to ``$GPU_CHECK_OUT`` (default ``bench/results/gpu-check``): ``sections.jsonl``
 (one line per part, written as each ends), ``gpu_check.json`` and ``gpu_check.md``
 (the summary), and the logs. ``GPU_CHECK_BUDGET`` is the time budget in seconds (default
-450). On a machine without a GPU it prints what it would run and exits 0; ``--smoke``
+450); ``GPU_CHECK_AUTO_ONLY=1`` times the default kernels only (no Inductor comparison),
+``GPU_CHECK_PYTEST`` narrows the ``pytest -m gpu`` part. On a machine without a GPU it prints what it would run and exits 0; ``--smoke``
 runs every part on the CPU at small sizes instead (a check of this script itself).
 
     make gpu-check                       # or: python -m bench.gpu_check [--smoke]
@@ -51,7 +52,7 @@ GROUPS: tuple[tuple[tuple[str, ...], float], ...] = (
     (("env", "build"), 0.14),
     (("pytest_gpu",), 0.18),
     (("parity", "gemm"), 0.18),
-    (("bandwidth", "host_time", "profile"), 0.16),
+    (("host_time", "profile", "bandwidth"), 0.16),
     (("cuda_graph",), 0.06),
     (("llama",), 0.14),
     (("suite",), 0.14),
@@ -86,7 +87,10 @@ def plan(budget: float) -> str:
 def run_pytest(part: str, out: Path, timeout: float, smoke: bool) -> dict:
     """A pytest run in a child process, its counts read from its log."""
     log = out / f"{part}.log"
-    args = [sys.executable, "-m", "pytest", *SUBPROCESS_PARTS[part].split(), "-q", "-rfE"]
+    # GPU_CHECK_PYTEST narrows `pytest -m gpu` to chosen files (a short rerun).
+    what = os.environ.get("GPU_CHECK_PYTEST") if part == "pytest_gpu" else None
+    what = what or SUBPROCESS_PARTS[part]
+    args = [sys.executable, "-m", "pytest", *what.split(), "-q", "-rfE"]
     args += ["--tb=short"]
     args += ["-p", "no:cacheprovider", "-o", "addopts="]
     if part == "suite" and importlib.util.find_spec("xdist") is not None:
