@@ -24,8 +24,9 @@ Results go to ``$GPU_CHECK_OUT`` (default ``bench/results/gpu-check``): ``sectio
 (one line per part, written as each ends), ``gpu_check.json`` and ``gpu_check.md``
 (the summary), and the logs. ``GPU_CHECK_BUDGET`` is the time budget in seconds (default
 450); ``GPU_CHECK_AUTO_ONLY=1`` times the default kernels only (no Inductor comparison),
-``GPU_CHECK_PYTEST`` narrows the ``pytest -m gpu`` part. On a machine without a GPU it prints what it would run and exits 0; ``--smoke``
-runs every part on the CPU at small sizes instead (a check of this script itself).
+``GPU_CHECK_PYTEST`` narrows the ``pytest -m gpu`` part. On a machine without a GPU it
+prints what it would run and exits 0; ``--smoke`` runs every part on the CPU at small
+sizes instead (a check of this script itself).
 
     make gpu-check                       # or: python -m bench.gpu_check [--smoke]
 """

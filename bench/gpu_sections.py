@@ -600,6 +600,29 @@ def host_time(setup: Setup) -> dict:
     return result
 
 
+def device_kernels(events: Any) -> list:
+    """The kernels among a profile's device events: no copies or memsets, and no ranges
+    (a ``record_function`` range also appears on the device's timeline, spanning its
+    kernels: counted, it would double their time)."""
+    return [
+        e
+        for e in events
+        if e.device_type.name == "CUDA"
+        and "Memcpy" not in e.name
+        and "Memset" not in e.name
+        and not e.name.startswith(("fastcast", "## "))
+    ]
+
+
+def kernel_time_table(kernels: list, calls: int, top: int) -> dict[str, float]:
+    """Device µs per call of the ``top`` kernels by time (names cut to 90 characters)."""
+    times: dict[str, float] = {}
+    for e in kernels:
+        times[e.name[:90]] = times.get(e.name[:90], 0.0) + e.device_time / calls
+    ranked = sorted(times.items(), key=lambda kv: -kv[1])[:top]
+    return {name: round(us, 1) for name, us in ranked}
+
+
 def profile(setup: Setup) -> dict:
     """Per fc.Linear fwd+bwd (512x1024 -> 1024): device kernels, fastcast ranges, ATen
     operators, host-to-device copies and synchronisations, from torch.profiler."""
@@ -625,13 +648,7 @@ def profile(setup: Setup) -> dict:
                     step()
                 setup.sync()
             events = prof.events()
-            kernels = [
-                e
-                for e in events
-                if e.device_type.name == "CUDA"
-                and "Memcpy" not in e.name
-                and "Memset" not in e.name
-            ]
+            kernels = device_kernels(events)
             names: dict[str, int] = {}
             for e in kernels:
                 names[e.name[:80]] = names.get(e.name[:80], 0) + 1
@@ -651,6 +668,7 @@ def profile(setup: Setup) -> dict:
                 )
                 / calls,
                 "top_kernels": dict(sorted(names.items(), key=lambda kv: -kv[1])[:6]),
+                "top_kernels_us": kernel_time_table(kernels, calls, 8),
             }
     finally:
         fc.profiling.disable()
@@ -770,11 +788,26 @@ def llama(setup: Setup) -> dict:
 
         return device_ms(setup, step, reps, warmup=3)
 
+    def kernel_profile(model: nn.Module, recipe: fc.Recipe | None) -> dict[str, float]:
+        from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+        with profile(activities=activities) as prof:
+            if recipe is None:
+                y = model(x)
+            else:
+                with fc.autocast(recipe=recipe):
+                    y = model(x)
+            y.float().square().mean().backward()
+            setup.sync()
+        return kernel_time_table(device_kernels(prof.events()), 1, 10)
+
     bf16_ms = timed(base, None)
     result: dict[str, Any] = {
         "shape": f"hidden {hidden}, heads {heads}, mlp {inter}, seq {seq}, {dtype}",
         "bf16_ms": round(bf16_ms, 3),
         "bf16_TFLOPs": round(flops / bf16_ms / 1e9, 1),
+        "bf16_top_kernels_us": kernel_profile(base, None),
     }
     for rname in TRAINING:
         model = fc.convert(copy.deepcopy(base))
@@ -783,6 +816,8 @@ def llama(setup: Setup) -> dict:
                 warnings.simplefilter("ignore")
                 ms = timed(model, RECIPES[rname])
             result[rname] = {"ms": round(ms, 3), "vs_bf16": round(ms / bf16_ms, 3)}
+            if rname in ("current", "block"):  # where the time goes, by kernel
+                result[rname]["top_kernels_us"] = kernel_profile(model, RECIPES[rname])
         except Exception as exc:  # noqa: BLE001
             result[rname] = f"{type(exc).__name__}: {str(exc)[:300]}"
         del model

@@ -142,25 +142,53 @@ def host_block(data: list[dict[str, Any]]) -> list[str]:
     return [intro + f"{_source(data, 'host_time')}.", ""] + _table(head, rows)
 
 
+# The operator each quantizer of the bandwidth part runs (its routing says native or not).
+OPERATOR = {
+    "current": "quantize_tensorwise",
+    "rowwise": "quantize_rows",
+    "block": "quantize_blocks",
+    "mxfp8": "quantize_mxfp8",
+    "nvfp4_plain": "quantize_nvfp4",
+    "nvfp4": "quantize_nvfp4",
+}
+
+
 def quantize_block(data: list[dict[str, Any]]) -> list[str]:
-    bw = _part(data, "bandwidth")
-    sizes = [k for k in bw if "x" in k and isinstance(bw[k], dict)]
-    if not sizes:
+    """One row per quantizer and implementation (native CUDA kernel or Inductor's
+    operator), each from the newest run that timed it, against that run's copy."""
+    found: dict[tuple[str, str], tuple[str, list[str]]] = {}
+    sizes: list[str] = []
+    copies: dict[str, list[str]] = {}
+    for run in reversed(data):
+        bw = run.get("bandwidth", {}).get("result")
+        if not isinstance(bw, dict) or not bw:
+            continue
+        run_sizes = [k for k in bw if "x" in k and isinstance(bw[k], dict)]
+        sizes = sizes or run_sizes
+        if run_sizes != sizes:
+            continue
+        routing = run.get("build", {}).get("result", {}).get("cuda_routing", {})
+        label = re.search(r"run(\d+)", run["_file"]).group(0)
+        for q in QUANTIZERS:
+            for mode in bw.get("modes", ["auto"]):
+                native = mode == "auto" and "inductor" not in routing.get(OPERATOR[q], "inductor")
+                key = (q, "native CUDA" if native else "Inductor")
+                entries = [bw[size].get(f"{q}/{mode}") for size in sizes]
+                if key in found or not all(entries):
+                    continue
+                cells = [f"{e['GBps']:.0f} GB/s ({e['of_copy']:.0%})" for e in entries]
+                found[key] = (label, cells)
+                copies.setdefault(label, [f"{bw[size]['copy_GBps']:.0f}" for size in sizes])
+    if not found:
         return ["(no bandwidth figures in this run)"]
-    modes = bw.get("modes", ["auto"])
-    head = ["quantizer (bf16 in, both layouts)"] + [f"{s} {m}" for s in sizes for m in modes]
-    rows = [
-        ["device-to-device copy, GB/s"]
-        + [f"{bw[s]['copy_GBps']:.0f}" for s in sizes for _ in modes]
-    ]
+    head = ["quantizer (bf16 in, both layouts)", "kernels", "run", *sizes]
+    rows = [["device-to-device copy, GB/s", "", run, *cells] for run, cells in copies.items()]
     for q in QUANTIZERS:
-        row = [q]
-        for s in sizes:
-            for m in modes:
-                e = bw[s].get(f"{q}/{m}")
-                row.append("n/a" if not e else f"{e['GBps']:.0f} GB/s ({e['of_copy']:.0%})")
-        rows.append(row)
-    return [*_table(head, rows), "", f"{_routing(data, 'bandwidth')} {_source(data, 'bandwidth')}."]
+        for impl in ("native CUDA", "Inductor"):
+            if (q, impl) in found:
+                run, cells = found[(q, impl)]
+                rows.append([q, impl, run, *cells])
+    return _table(head, rows)
 
 
 def llama_block(data: list[dict[str, Any]]) -> list[str]:

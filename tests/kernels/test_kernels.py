@@ -536,3 +536,20 @@ def test_delayed_update_operator_schema_and_fake(op):
     args = (history, scale, 448.0, 448.0 / torch.finfo().max, 0.0, False)
     results = torch.library.opcheck(choice.registered_op("delayed_update"), args)
     assert set(results.values()) == {"SUCCESS"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_e5m2_nan_codes_keep_the_input_sign(dtype):
+    """Every 16-bit NaN pattern, both signs, quiet and signalling: E5M2's NaN code carries
+    the input's sign, as the CUDA kernels' do (an AVX-512 CPU once made every FP16 NaN
+    negative through c10's widening, so CPU and GPU codes differed)."""
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    x = patterns.view(dtype).reshape(256, 256)
+    op = build.entry_points()["quantize_tensorwise"]
+    for scale in (None, torch.full((), 0.37)):
+        data, _, _ = op(x, scale, torch.float8_e5m2, False, 0.0, True, False)
+        codes = data.reshape(-1).view(torch.uint8).to(torch.int32)
+        nan = x.reshape(-1).float().isnan()
+        assert torch.equal((codes & 0x7F)[nan], torch.full_like(codes[nan], 0x7F))
+        negative = patterns.to(torch.int32) < 0
+        assert torch.equal((codes[nan] >> 7).bool(), negative[nan])
