@@ -429,7 +429,7 @@ def test_make_profile_samples_only_the_steady_state(tmp_path):
     log = tmp_path / "spy.log"
     spy.write_text(
         "#!/bin/bash\n"
-        'while [ $# -gt 0 ]; do case $1 in --pid) pid=$2; shift;; --output) out=$2; shift;; '
+        "while [ $# -gt 0 ]; do case $1 in --pid) pid=$2; shift;; --output) out=$2; shift;; "
         "esac; shift; done\n"
         'ready=$(tr "\\0" "\\n" < /proc/$pid/cmdline | grep -A1 -x -- --ready | tail -n 1)\n'
         f'if [ -e "$ready" ]; then echo warm >> "{log}"; else echo cold >> "{log}"; fi\n'
