@@ -55,6 +55,10 @@ class Setup:
     device: str
     smoke: bool
 
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
     def sync(self) -> None:
         if self.device == "cuda":
             torch.cuda.synchronize()
@@ -551,6 +555,16 @@ def bandwidth(setup: Setup) -> dict:
                 }
         result[f"{rows}x{cols}"] = entry
     kernels_mode("auto")
+    # The largest size once more under the profiler: which kernels take the time.
+    from torch.profiler import ProfilerActivity  # noqa: PLC0415
+    from torch.profiler import profile as torch_profile  # noqa: PLC0415
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if setup.cuda else [])
+    for rname in ("current", "rowwise", "block", "mxfp8", "nvfp4"):
+        with torch_profile(activities=activities) as prof:
+            fc.quantize(x, RECIPES[rname], "grad_output", columnwise=True)
+            setup.sync()
+        result[f"kernels_us/{rname}"] = kernel_time_table(device_kernels(prof.events()), 1, 6)
     return result
 
 

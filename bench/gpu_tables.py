@@ -163,7 +163,7 @@ def quantize_block(data: list[dict[str, Any]]) -> list[str]:
         bw = run.get("bandwidth", {}).get("result")
         if not isinstance(bw, dict) or not bw:
             continue
-        run_sizes = [k for k in bw if "x" in k and isinstance(bw[k], dict)]
+        run_sizes = [k for k in bw if re.fullmatch(r"\d+x\d+", k)]
         sizes = sizes or run_sizes
         if run_sizes != sizes:
             continue
