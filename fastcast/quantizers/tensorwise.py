@@ -33,12 +33,21 @@ def quantize_with_scale(
     """Quantize ``x`` with the per-tensor ``scale`` (FP32 scalar tensor)."""
     op = _scalar_op("quantize_tensorwise", x, scale)
     if op is not None:
-        data, scale_inv, _ = op(x, scale, FP8_DTYPES[fmt], False, 0.0, True, False)
-    else:
-        data = scale_and_cast(x, scale, fmt)
-        # A fresh tensor, so a later in-place scale update cannot change what this holds.
-        scale_inv = scale.reciprocal()
+        rows, cols = _fused_layouts(x, rowwise, columnwise)
+        data, scale_inv, data_t = op(x, scale, FP8_DTYPES[fmt], False, 0.0, rows, cols)
+        return _float8(x, fmt, data, scale_inv, rowwise, columnwise, data_t if cols else None)
+    data = scale_and_cast(x, scale, fmt)
+    # A fresh tensor, so a later in-place scale update cannot change what this holds.
+    scale_inv = scale.reciprocal()
     return _float8(x, fmt, data, scale_inv, rowwise, columnwise)
+
+
+def _fused_layouts(x: torch.Tensor, rowwise: bool, columnwise: bool) -> tuple[bool, bool]:
+    """The layouts the fused operator writes. On CUDA those asked, in one pass: its tiled
+    kernel writes the transposed codes, where a transposing copy of one-byte codes
+    afterwards would cost more than the cast (the H200 runs). On the CPU the row-wise
+    codes, whose transposed view serves as the column-wise layout."""
+    return (rowwise, columnwise) if x.is_cuda else (True, False)
 
 
 def _scalar_op(name: str, x: torch.Tensor, *scalars: torch.Tensor) -> Any:
@@ -61,10 +70,13 @@ def _float8(
     scale_inv: torch.Tensor,
     rowwise: bool,
     columnwise: bool,
+    data_t: torch.Tensor | None = None,
 ) -> Float8Tensor:
-    """The quantized tensor holding ``data`` (FP8, shaped like ``x``) in the layouts asked."""
+    """The quantized tensor holding ``data`` (FP8, shaped like ``x``) in the layouts asked;
+    ``data_t``, the column-wise codes where the operator wrote them."""
     # Per-tensor FP8 transposes exactly: the column-wise layout is the transposed data.
-    data_t = transposed_codes(as_matrix(data)) if columnwise else None
+    if columnwise and data_t is None:
+        data_t = transposed_codes(as_matrix(data))
     return Float8Tensor.assemble(
         fmt,
         x.shape,
@@ -102,11 +114,12 @@ class CurrentScalingQuantizer:
         if self.amax_reduction_group is None:
             op = tensorwise_op(x)
             if op is not None:  # amax, scale and cast in one operator
-                # (The CPU kernel writes the row-wise data only: the column-wise layout
-                # is its transposed view, as in the reference.)
                 fmt, power_2, epsilon = self.fmt, self.power_2_scales, self.amax_epsilon
-                data, scale_inv, _ = op(x, None, FP8_DTYPES[fmt], power_2, epsilon, True, False)
-                return _float8(x, fmt, data, scale_inv, rowwise, columnwise)
+                rows, cols = _fused_layouts(x, rowwise, columnwise)
+                data, scale_inv, data_t = op(x, None, FP8_DTYPES[fmt], power_2, epsilon, rows, cols)
+                return _float8(
+                    x, fmt, data, scale_inv, rowwise, columnwise, data_t if cols else None
+                )
         amax = tensor_amax(x)
         if self.amax_reduction_group is not None:
             from ..distributed import all_reduce_max  # noqa: PLC0415 - only with a group

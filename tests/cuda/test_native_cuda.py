@@ -370,3 +370,37 @@ def test_large_tensors_match_the_cpu(ops, rows, cols, dtype):
     got = ops["quantize_tensorwise"](x.cuda(), None, torch.float8_e4m3fn, False, 0.0, True, True)
     for name, g, w in zip(("data", "scale_inv", "data_t"), got, want, strict=True):
         assert_same(g, w, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(256, 512), (3, 40, 72), (33, 130)], ids=str)
+def test_per_tensor_quantizers_take_both_layouts_from_the_kernel(ops, shape, dtype):
+    """fc.quantize on CUDA takes the column-wise codes from the kernel's tiled pass (no
+    transposing copy of the codes afterwards), equal to the CPU's, under current scaling
+    and with a given (delayed-style) scale."""
+    import fastcast as fc  # noqa: PLC0415
+    from fastcast.quantizers.tensorwise import quantize_with_scale  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 7).to(dtype)
+    scale = torch.tensor([3.5])
+    pairs = [
+        (
+            fc.quantize(x, fc.Float8CurrentScaling(), "input", columnwise=True),
+            fc.quantize(x.cuda(), fc.Float8CurrentScaling(), "input", columnwise=True),
+        ),
+        (
+            quantize_with_scale(x, scale, "e4m3", True, True),
+            quantize_with_scale(x.cuda(), scale.cuda(), "e4m3", True, True),
+        ),
+    ]
+    for want, got in pairs:
+        assert got.data_t.is_contiguous()
+        assert_same(got.data_t, want.data_t.contiguous(), "data_t")
+        assert_same(got.data, want.data, "data")
+        assert_same(got.scale_inv_t, want.scale_inv_t, "scale_inv_t")
+    only_columns = fc.quantize(
+        x.cuda(), fc.Float8CurrentScaling(), "input", rowwise=False, columnwise=True
+    )
+    assert only_columns.data is None
+    assert_same(only_columns.data_t, pairs[0][0].data_t.contiguous(), "columns only")
