@@ -14,6 +14,7 @@ from torch import nn
 from ..recipe import Recipe
 from ..schemes import DEFAULT_ALIGNMENT, scheme_for
 from ..serialization.extra_state import EXTRA_STATE_KEY
+from .autocast_forward import forward_function, wrap_forward
 from .conv1d import HF_MODULE, Conv1D, adopt_hf_conv1d, is_hf_conv1d
 from .grouped import convert_experts
 from .linear import Linear, guard_loads
@@ -31,6 +32,7 @@ def convert(
     recipe: Recipe | None = None,
     quantized_all_gather: bool = False,
     keep_head: bool | None = None,
+    autocast: bool = False,
 ) -> nn.Module:
     """Turn every ``nn.Linear`` below ``module`` into an ``fc.Linear``, and every
     transformers ``Conv1D`` (GPT-2's layers) into an ``fc.Conv1D``, in place (the same
@@ -77,7 +79,10 @@ def convert(
     (``fastcast.distributed.fsdp`` explains why, and what happens to a weight whose
     shards do not hold whole blocks). Off by default: FSDP2 then gathers the weights in
     high precision, as for ``nn.Linear``.
+
+    ``autocast=True``: ``module(...)`` runs in ``fc.autocast(recipe=recipe)``; docs/usage.md.
     """
+    forward = forward_function(module, autocast)  # checked before anything changes
     if quantized_all_gather:  # checked before anything changes
         if recipe is None:
             raise ValueError(
@@ -151,6 +156,7 @@ def convert(
                 layer.prepare_state(recipe)
     if quantized_all_gather:
         _quantize_all_gathers(module, recipe)
+    wrap_forward(module, recipe, forward)  # autocast=True
     return module
 
 

@@ -1,0 +1,137 @@
+"""``fc.convert(model, autocast=True)``: the model runs its own forward under ``fc.autocast``.
+
+Trainers (Hugging Face ``Trainer``, Lightning, accelerate) call ``model(...)`` themselves,
+so no ``with fc.autocast(...)`` block can be put around the forward. Instead the model's
+``forward`` instance attribute becomes an ``AutocastForward``, which enters a fresh
+``fc.autocast(recipe=...)`` around the forward the model had, unless the caller is already
+inside an ``fc.autocast``: that one then decides (``fc.autocast(enabled=False)`` around an
+evaluation still runs it in high precision).
+
+Why this shape:
+
+- a ``with`` block inside the call restores the autocast stack exactly when the forward
+  raises; a forward pre-hook that enters and a forward hook that exits split one level
+  across two calls, which an exception between them (in the forward, or in another
+  hook) can leave entered;
+- nothing is stored per call (the autocast state is per context: thread, asyncio task), so
+  threads may call the model at once;
+- an attribute that is no parameter, buffer or module leaves the state dict alone, and the
+  class is unchanged (a generated subclass would change the name Hugging Face writes into
+  ``config.json`` and could not be pickled by reference);
+- it looks like a bound method to code that inspects ``model.forward``: ``__func__`` and
+  ``__self__`` (accelerate's ``prepare`` rebinds ``__func__`` under its own
+  ``torch.autocast``, and its unwrap rebinds what it finds), and ``__signature__`` (the
+  forward's own, which Hugging Face's ``Trainer`` reads to keep the dataset columns the
+  forward takes). Unlike a bound method, which pickles as a look-up of ``forward`` on a
+  model whose state is not restored yet, it pickles and deep-copies with its model.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from ..autocast import autocast as fc_autocast
+from ..recipe import Recipe
+from ..runtime.state import get_stack
+
+
+class AutocastFunction:
+    """``function(module, ...)`` under ``fc.autocast(recipe=recipe)`` when no
+    ``fc.autocast`` is active, as is otherwise. Holds no module: what ``__func__`` of a
+    bound method is, shareable between a model and its copies."""
+
+    __slots__ = ("recipe", "function")
+
+    def __init__(self, recipe: Recipe | None, function: Callable[..., Any]) -> None:
+        self.recipe = recipe
+        self.function = function
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if get_stack()[1] is not None:  # an fc.autocast is active: it decides
+            return self.function(module, *args, **kwargs)
+        with fc_autocast(recipe=self.recipe):
+            return self.function(module, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.function)
+
+    @property
+    def __name__(self) -> str:  # noqa: PLE0307 - read by functools.wraps and pickle
+        return getattr(self.function, "__name__", "forward")
+
+    def __reduce__(self) -> tuple:
+        return (AutocastFunction, (self.recipe, self.function))
+
+    def __repr__(self) -> str:
+        return f"<fastcast.autocast({self.recipe!r}) around {self.function!r}>"
+
+
+class AutocastForward:
+    """The ``forward`` attribute of a model converted with ``autocast=True``: an
+    ``AutocastFunction`` bound to the model."""
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, function: AutocastFunction, module: nn.Module) -> None:
+        self.__func__ = function
+        self.__self__ = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        sig = inspect.signature(self.__func__.function)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])  # less the module
+
+    @property
+    def __name__(self) -> str:  # noqa: PLE0307
+        return self.__func__.__name__
+
+    def __reduce__(self) -> tuple:
+        return (AutocastForward, (self.__func__, self.__self__))
+
+    def __repr__(self) -> str:
+        return (
+            f"<fastcast autocast forward of {type(self.__self__).__name__} "
+            f"under {self.__func__.recipe!r}>"
+        )
+
+
+def forward_function(module: nn.Module, autocast: Any = True) -> Callable[..., Any] | None:
+    """The function ``module``'s forward runs, taking the module first: its class's, or
+    what its ``forward`` attribute binds (a previous ``autocast=True``'s is replaced);
+    None when ``autocast`` is False. Raises, before anything changes, for an ``autocast``
+    that is no bool and for a ``forward`` attribute that is no method of ``module``
+    (``torch.compile``'s or a wrapper's)."""
+    if autocast.__class__ is not bool:
+        raise TypeError(f"fastcast.convert: autocast must be a bool, got {autocast!r}")
+    if not autocast:
+        return None
+    current = module.__dict__.get("forward")
+    if current is None:
+        return type(module).forward
+    if isinstance(current, AutocastForward):
+        return current.__func__.function
+    if getattr(current, "__self__", None) is module and hasattr(current, "__func__"):
+        return current.__func__  # a method bound to the module as an attribute (accelerate)
+    raise ValueError(
+        f"fastcast.convert(autocast=True): {type(module).__name__}.forward was replaced by "
+        f"{current!r}, which is not a method of the module; convert with autocast=True "
+        "before wrapping the model or replacing its forward (torch.compile, accelerate's "
+        "prepare), or wrap the module that holds the layers"
+    )
+
+
+def wrap_forward(
+    module: nn.Module, recipe: Recipe | None, function: Callable[..., Any] | None
+) -> None:
+    """Make ``module(...)`` run ``function`` (``forward_function``'s answer) under
+    ``fc.autocast(recipe=recipe)``; nothing when ``function`` is None."""
+    if function is not None:
+        module.forward = AutocastForward(AutocastFunction(recipe, function), module)
