@@ -82,7 +82,12 @@ class AutocastForward:
         self.__self__ = module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.__func__(self.__self__, *args, **kwargs)
+        # AutocastFunction.__call__, inlined: this runs on every call of the model.
+        bound = self.__func__
+        if get_stack()[1] is not None:
+            return bound.function(self.__self__, *args, **kwargs)
+        with fc_autocast(recipe=bound.recipe):
+            return bound.function(self.__self__, *args, **kwargs)
 
     @property
     def __signature__(self) -> inspect.Signature:

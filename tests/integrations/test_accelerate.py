@@ -4,8 +4,6 @@ mixed precision (which rebinds ``model.forward``) keeps fastcast's autocast."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from _trainer_models import (
@@ -26,16 +24,6 @@ accelerate = pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerator_state() -> Iterator[None]:
-    """accelerate keeps one process-wide state; each test builds its own Accelerator."""
-    from accelerate.state import AcceleratorState  # noqa: PLC0415
-
-    AcceleratorState._reset_state(True)
-    yield
-    AcceleratorState._reset_state(True)
 
 
 def _batches(steps: int, start: int = 0) -> list[torch.Tensor]:
