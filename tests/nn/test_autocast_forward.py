@@ -193,10 +193,35 @@ def test_activation_recomputation_replays_the_forward_s_recipe():
         assert torch.equal(param.grad, dict(reference.named_parameters())[name].grad), name
 
 
+def test_an_autocast_given_is_the_one_each_call_runs_in():
+    """``autocast=fc.autocast(...)``: its arguments (here calibration: high precision
+    that records delayed-scaling amaxes) for every call."""
+    recipe = fc.DelayedScaling(amax_history_len=4)
+    calibrate = fc.autocast(enabled=False, calibrating=True, recipe=recipe)
+    model = fc.convert(_net(), recipe=recipe, autocast=calibrate)
+    frames = []
+    model.up.register_forward_pre_hook(lambda *_: frames.append(state.current_frame()))
+    with torch.no_grad():
+        out = model(_x())
+    (frame,) = frames
+    assert (frame.enabled, frame.calibrating, frame.recipe) == (False, True, recipe)
+    assert frame is not calibrate  # a fresh one per call, like it
+    assert torch.equal(out, _net()(_x()).detach())  # in high precision
+    saved = fc.read_extra_state(model.up.get_extra_state())
+    assert saved["forward"]["amax_history"].abs().sum() > 0  # amaxes recorded
+    # A process group cannot be pickled: a copy is refused with the reason, not broken.
+    in_group = fc.autocast(recipe=RECIPE, amax_reduction_group=object())
+    grouped = fc.convert(_net(), recipe=RECIPE, autocast=in_group)
+    with pytest.raises(TypeError, match="cannot be copied or pickled"):
+        copy.deepcopy(grouped)
+
+
 def test_refusals_change_nothing():
     model = _net()
-    with pytest.raises(TypeError, match="autocast must be a bool, got 'yes'"):
+    with pytest.raises(TypeError, match="autocast must be a bool or an fc.autocast, got 'yes'"):
         fc.convert(model, recipe=RECIPE, autocast="yes")
+    with pytest.raises(ValueError, match="runs another recipe than recipe="):
+        fc.convert(model, recipe=RECIPE, autocast=fc.autocast(recipe=fc.Float8BlockScaling()))
     model.forward = lambda x: x  # not a method of the model (as torch.compile's would be)
     with pytest.raises(ValueError, match=r"Net\.forward was replaced by .*before wrapping"):
         fc.convert(model, recipe=RECIPE, autocast=True)
