@@ -28,13 +28,13 @@ pytest.importorskip("accelerate")  # the Trainer's own dependency
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def _train(model: torch.nn.Module, out: str, steps: int = STEPS) -> list[float]:
+def _train(model: torch.nn.Module, out: str) -> tuple[transformers.Trainer, list[float]]:
     rows = token_rows()
     # A list of dicts: the Trainer keeps the columns the forward's signature names.
     data = [{"input_ids": r, "labels": r} for r in rows]
     args = transformers.TrainingArguments(
         output_dir=out,
-        max_steps=steps,
+        max_steps=STEPS,
         per_device_train_batch_size=BATCH,
         learning_rate=LR,
         lr_scheduler_type="constant",
@@ -51,14 +51,14 @@ def _train(model: torch.nn.Module, out: str, steps: int = STEPS) -> list[float]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
-    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return trainer, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
 def test_trainer_trains_within_bound_of_fp32_and_reloads(tmp_path):
-    reference = _train(tiny_llama(), str(tmp_path / "fp32"))
+    _, reference = _train(tiny_llama(), str(tmp_path / "fp32"))
     model = fc.convert(tiny_llama(), recipe=RECIPE, autocast=True)
     seen = record_recipes(model)
-    losses = _train(model, str(tmp_path / "fp8"))
+    trainer, losses = _train(model, str(tmp_path / "fp8"))
 
     # Every forward the Trainer ran was under the recipe, and it trained like FP32.
     assert len(seen) == STEPS and set(seen) == {RECIPE}
@@ -72,10 +72,8 @@ def test_trainer_trains_within_bound_of_fp32_and_reloads(tmp_path):
     # save_model -> from_pretrained: a plain checkpoint that reloads strictly and, converted
     # the same way, gives identical outputs.
     saved = tmp_path / "saved"
+    trainer.save_model(str(saved))
     model.eval()
-    transformers.Trainer(
-        model=model, args=transformers.TrainingArguments(str(saved), use_cpu=True, report_to=[])
-    ).save_model(str(saved))
     plain, info = transformers.LlamaForCausalLM.from_pretrained(saved, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched key
     reloaded = fc.convert(plain, recipe=RECIPE, autocast=True).eval()
