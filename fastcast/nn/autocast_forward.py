@@ -17,8 +17,9 @@ Why this shape:
 - nothing is stored per call (the autocast state is per context: thread, asyncio task), so
   threads may call the model at once;
 - an attribute that is no parameter, buffer or module leaves the state dict alone, and the
-  class is unchanged (a generated subclass would change the name Hugging Face writes into
-  ``config.json`` and could not be pickled by reference);
+  class is unchanged (a generated subclass would change ``type(model)``, which code
+  compares and Hugging Face names in ``config.json``, and could not be pickled by
+  reference);
 - it looks like a bound method to code that inspects ``model.forward``: ``__func__`` and
   ``__self__`` (accelerate's ``prepare`` rebinds ``__func__`` under its own
   ``torch.autocast``, and its unwrap rebinds what it finds), and ``__signature__`` (the
