@@ -11,9 +11,11 @@ from typing import Any
 
 from torch import nn
 
+from ..autocast import autocast as Autocast
 from ..recipe import Recipe
 from ..schemes import DEFAULT_ALIGNMENT, scheme_for
 from ..serialization.extra_state import EXTRA_STATE_KEY
+from .autocast_forward import autocast_function, wrap_forward
 from .conv1d import HF_MODULE, Conv1D, adopt_hf_conv1d, is_hf_conv1d
 from .grouped import convert_experts
 from .linear import Linear, guard_loads
@@ -31,6 +33,7 @@ def convert(
     recipe: Recipe | None = None,
     quantized_all_gather: bool = False,
     keep_head: bool | None = None,
+    autocast: bool | Autocast = False,
 ) -> nn.Module:
     """Turn every ``nn.Linear`` below ``module`` into an ``fc.Linear``, and every
     transformers ``Conv1D`` (GPT-2's layers) into an ``fc.Conv1D``, in place (the same
@@ -76,8 +79,10 @@ def convert(
     use directly; outside it the layers see the weight rounded to the format
     (``fastcast.distributed.fsdp`` explains why, and what happens to a weight whose
     shards do not hold whole blocks). Off by default: FSDP2 then gathers the weights in
-    high precision, as for ``nn.Linear``.
+    high precision, as for ``nn.Linear``. ``autocast=True`` (or an ``fc.autocast``):
+    ``module(...)`` runs in ``fc.autocast(recipe=recipe)`` (or one like it); docs/usage.md.
     """
+    forward = autocast_function(module, autocast, recipe)  # checked before any change
     if quantized_all_gather:  # checked before anything changes
         if recipe is None:
             raise ValueError(
@@ -151,6 +156,7 @@ def convert(
                 layer.prepare_state(recipe)
     if quantized_all_gather:
         _quantize_all_gathers(module, recipe)
+    wrap_forward(module, forward)  # autocast=...
     return module
 
 
