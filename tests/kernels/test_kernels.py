@@ -541,8 +541,8 @@ def test_delayed_update_operator_schema_and_fake(op):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_e5m2_nan_codes_keep_the_input_sign(dtype):
     """Every 16-bit NaN pattern, both signs, quiet and signalling: E5M2's NaN code carries
-    the input's sign, as the CUDA kernels' do (an AVX-512 CPU once made every FP16 NaN
-    negative through c10's widening, so CPU and GPU codes differed)."""
+    the input's sign. The rule the CUDA kernels are held to (an H200 run found the
+    device's FP16 widening made every NaN positive, so the codes differed)."""
     patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     x = patterns.view(dtype).reshape(256, 256)
     op = build.entry_points()["quantize_tensorwise"]

@@ -44,22 +44,6 @@ inline float widen(T v) {
   return static_cast<float>(v);
 }
 
-// FP16 by integer operations alone, exact for every value, a NaN keeping its sign: c10's
-// conversion scales by a power of two in FP32, and an H200 machine's CPU returned every
-// FP16 NaN with the sign set through that (AVX-512 clone), so E5M2 codes of positive NaNs
-// differed from its GPU's. A subnormal is its mantissa times 2^-24, exact in FP32.
-template <>
-inline float widen(c10::Half v) {
-  const uint32_t h = v.x;
-  const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
-  const uint32_t normal = ((exponent + 112u) << 23) | (mantissa << 13);
-  const uint32_t special = 0x7F800000u | (mantissa << 13);  // infinity or NaN
-  const uint32_t subnormal = bits_of(static_cast<float>(mantissa) * 0x1p-24f);
-  uint32_t magnitude = exponent == 0x1Fu ? special : normal;
-  magnitude = exponent == 0 ? subnormal : magnitude;
-  return float_of(((h & 0x8000u) << 16) | magnitude);
-}
-
 // Magnitude bits: for a value without its sign, the integer order of the bits is the
 // order of the values, with every NaN above infinity. A max over these is an unsigned
 // integer max, which vectorises, and NaN-propagating for free.
