@@ -243,7 +243,9 @@ def run_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
         order.append(node)
 
     visit(output.grad_fn)
-    pending: dict[Any, list[torch.Tensor]] = {output.grad_fn: [grad]}
+    # Gradients reaching each node, per output of its forward (a node of several
+    # outputs, a split or a chunk, takes one gradient for each).
+    pending: dict[Any, dict[int, list[torch.Tensor]]] = {output.grad_fn: {0: [grad]}}
     callbacks: list[Any] = []
 
     class _Engine:
@@ -252,20 +254,25 @@ def run_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
 
     with mock.patch.object(Variable, "_execution_engine", _Engine()):
         for node in reversed(order):
-            grads = pending.pop(node, None)
-            if grads is None:
+            received = pending.pop(node, None)
+            if received is None:
                 continue
-            g = grads[0]
-            for extra in grads[1:]:
-                g = g + extra
+            grads: list[Any] = []
+            for index in range(max(len(getattr(node, "_input_metadata", ())), 1)):
+                parts = received.get(index)
+                total = None
+                for part in parts or ():
+                    total = part if total is None else total + part
+                grads.append(total)
             variable = getattr(node, "variable", None)
             if variable is not None:  # AccumulateGrad
+                g = grads[0]
                 variable.grad = g if variable.grad is None else variable.grad + g
                 continue
-            outs = node(g) if callable(node) else node.apply(g)
+            outs = node(*grads) if callable(node) else node.apply(*grads)
             outs = outs if isinstance(outs, tuple) else (outs,)
-            for (nxt, _), out in zip(node.next_functions, outs):
+            for (nxt, input_nr), out in zip(node.next_functions, outs):
                 if nxt is not None and out is not None:
-                    pending.setdefault(nxt, []).append(out)
+                    pending.setdefault(nxt, {}).setdefault(input_nr, []).append(out)
         for fn in callbacks:
             fn()

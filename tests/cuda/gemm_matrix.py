@@ -114,7 +114,7 @@ def linear_gemms(name: str, tokens: int, k: int, n: int, bias: bool) -> dict[str
 
 
 def linear_paths(
-    name: str, cap: tuple[int, int], dtype: torch.dtype, tokens=64, k=128, n=256, bias=True
+    name: str, cap: tuple[int, int], dtype: torch.dtype, tokens: int, k: int, n: int, bias: bool
 ) -> dict[str, str]:
     """The path of each of fc.Linear's GEMMs (the layer's output dtype ``dtype``)."""
     return {
@@ -136,6 +136,12 @@ def grouped_paths(name: str, cap: tuple[int, int]) -> dict[str, str]:
         "dgrad": GROUPED_MM if kernel and not hp_wgrad and fg == fw == "e4m3" else EMULATED,
         "wgrad": HIGH if hp_wgrad else GROUPED_MM if kernel and fg == fi == "e4m3" else EMULATED,
     }
+
+
+# The layers of the fake-CUDA tests: test_fake_cuda's (a bias, 64 tokens: half a 128
+# tile) and one of whole tiles without a bias.
+LAYER = {"tokens": 64, "k": 128, "n": 256, "bias": True}
+WHOLE_TILES = {"tokens": 256, "k": 128, "n": 384, "bias": False}
 
 
 def render_markdown() -> str:

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 from fake_cuda import fake_parameters, on_fresh_thread, run_backward, simulated_cuda
-from gemm_matrix import BLOCK_MM, RECIPES, SCALED_MM, SM89, SM90, SM100, linear_paths
+from gemm_matrix import BLOCK_MM, LAYER, RECIPES, SCALED_MM, SM89, SM90, SM100, linear_paths
 
 import fastcast as fc
 from fastcast.runtime import hardware
@@ -76,7 +76,7 @@ def test_linear_forward_backward_on_fake_cuda(name, capability, dtype):
     launched = on_fresh_thread(body)
     # The GEMM path of each GEMM, as gemm_matrix (docs/cuda.md's table) says, with the
     # scales the kernels take.
-    expected = linear_paths(name, capability, dtype)
+    expected = linear_paths(name, capability, dtype, **LAYER)
     ran = {_which_gemm(call, tokens=64, k=128, n=256): _path(call) for call in launched.scaled_mm}
     assert ran == {g: p for g, p in expected.items() if p in (SCALED_MM, BLOCK_MM)}
     for call in launched.scaled_mm:
