@@ -27,7 +27,7 @@ from typing import Any
 from unittest import mock
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.autograd import Variable
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -120,7 +120,7 @@ class _Recorder(TorchDispatchMode):
         elif func is torch.ops.aten._grouped_mm.default:
             a, b = args[:2]
             self.launches.grouped_mm.append(a.dtype)
-            if a.dtype == torch.float32 and a.device.type == "cuda":
+            if a.dtype == torch.float32 and isinstance(a, FakeTensor) and a.is_cuda:
                 # The CUDA kernel runs FP32 on its fallback (a loop of mm over the groups,
                 # their ends read on the host), which the meta function does not model:
                 # the shapes of a bf16 call, in FP32.
