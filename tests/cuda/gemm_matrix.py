@@ -145,26 +145,53 @@ WHOLE_TILES = {"tokens": 256, "k": 128, "n": 384, "bias": False}
 
 
 def render_markdown() -> str:
-    """The docs table: fc.Linear (64 tokens, 128 -> 256, with bias) per output dtype, and
-    the grouped experts, per recipe and capability."""
+    """The docs table: per recipe and capability, the path of each GEMM (forward / dgrad
+    / wgrad) of ``LAYER`` in bf16 and FP32, of ``WHOLE_TILES`` in bf16, and of the
+    grouped experts."""
+    short = {
+        SCALED_MM: "`_scaled_mm`",
+        BLOCK_MM: "**`F.scaled_mm`**",
+        GROUPED_MM: "`_scaled_grouped_mm`",
+    }
+
+    def cell(paths: dict[str, str]) -> str:
+        return " / ".join(short.get(p, p) for p in paths.values())
+
     lines = [
-        "| recipe | GPU | `fc.Linear` bf16: fwd / dgrad / wgrad | `fc.Linear` fp32 | "
-        "bias-free bf16, 256 tokens | grouped experts: fwd / dgrad / wgrad |",
+        "| recipe | GPU | `fc.Linear`, bias, bf16 | same, fp32 | bias-free whole tiles, bf16 "
+        "| grouped experts |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for name in RECIPES:
         for cap_name, cap in CAPABILITIES.items():
             cells = [
-                " / ".join(linear_paths(name, cap, torch.bfloat16).values()),
-                " / ".join(linear_paths(name, cap, torch.float32).values()),
-                " / ".join(
-                    linear_paths(name, cap, torch.bfloat16, tokens=256, bias=False).values()
-                ),
-                " / ".join(grouped_paths(name, cap).values()),
+                cell(linear_paths(name, cap, torch.bfloat16, **LAYER)),
+                cell(linear_paths(name, cap, torch.float32, **LAYER)),
+                cell(linear_paths(name, cap, torch.bfloat16, **WHOLE_TILES)),
+                cell(grouped_paths(name, cap)),
             ]
             lines.append(f"| {name} | {cap_name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
+DOCS_MARKERS = ("<!-- gemm-matrix -->\n", "<!-- /gemm-matrix -->")
+
+
+def with_table(text: str) -> str:
+    """``text`` (docs/cuda.md) with the table between its markers replaced by
+    ``render_markdown()``."""
+    start, end = DOCS_MARKERS
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return head + start + render_markdown() + end + tail
+
+
 if __name__ == "__main__":
-    print(render_markdown(), end="")
+    import sys
+    from pathlib import Path
+
+    if sys.argv[1:] == ["--write"]:  # docs/cuda.md's copy, rewritten
+        docs = Path(__file__).parents[2] / "docs" / "cuda.md"
+        docs.write_text(with_table(docs.read_text()))
+    else:
+        print(render_markdown(), end="")

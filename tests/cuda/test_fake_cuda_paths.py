@@ -10,6 +10,7 @@ torch's kernels accept); torch's meta checks of ``F.scaled_mm`` and
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from gemm_matrix import (
     WHOLE_TILES,
     grouped_paths,
     linear_paths,
+    with_table,
 )
 
 import fastcast as fc
@@ -84,6 +86,13 @@ def test_bias_free_whole_tile_layer_paths(name, capability):
     expected = linear_paths(name, capability, torch.bfloat16, **WHOLE_TILES)
     assert ran == {g: p for g, p in expected.items() if p in KERNELS}
     assert launched.host_syncs == []
+
+
+def test_docs_table_is_the_one_these_tests_assert():
+    """docs/cuda.md's GEMM-path table is ``gemm_matrix``'s rendering (regenerate it with
+    ``python tests/cuda/gemm_matrix.py --write``)."""
+    text = (Path(__file__).parents[2] / "docs" / "cuda.md").read_text()
+    assert with_table(text) == text
 
 
 @pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
