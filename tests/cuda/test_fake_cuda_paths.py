@@ -206,12 +206,13 @@ def _qwen3_experts():
     return transformers.Qwen3MoeForCausalLM(cfg).model.layers[0].mlp.experts
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("capability", list(CAPABILITIES.values()), ids=list(CAPABILITIES))
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_converted_experts_paths(name, capability):
-    """A converted Qwen3-MoE experts module (gate_up and down projections, bf16): six
-    grouped GEMMs a step, each on the path the table gives."""
-    experts = _qwen3_experts().to(torch.bfloat16)
+def test_converted_experts_paths(name, capability, dtype):
+    """A converted Qwen3-MoE experts module (gate_up and down projections): six grouped
+    GEMMs a step, each on the path the table gives."""
+    experts = _qwen3_experts().to(dtype)
     fc.convert(experts, recipe=RECIPES[name])
 
     def body():
@@ -220,13 +221,14 @@ def test_converted_experts_paths(name, capability):
             fake_parameters(experts)
 
             def step():
-                h = torch.empty(32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                h = torch.empty(32, 128, device="cuda", dtype=dtype, requires_grad=True)
                 index = torch.empty(32, 2, device="cuda", dtype=torch.int64)
-                weights = torch.empty(32, 2, device="cuda", dtype=torch.bfloat16)
+                weights = torch.empty(32, 2, device="cuda", dtype=dtype)
                 with fc.autocast(recipe=RECIPES[name]):
                     out = experts(h, index, weights)
                 run_backward(out, torch.empty_like(out))
-                assert out.shape == (32, 128) and h.grad.shape == (32, 128)
+                assert (out.shape, out.dtype) == ((32, 128), dtype)
+                assert h.grad.shape == (32, 128)
 
             _second_step(launched, step)
             ctx.__exit__(None, None, None)
