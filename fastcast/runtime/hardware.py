@@ -79,22 +79,25 @@ def cuda_block_families() -> tuple[str, ...]:
     scales) and NVFP4 (E4M3 block scales and an FP32 tensor scale) on sm100 (compute
     capability 10.x) over cuBLASLt 12.8+, with swizzled scales (``gemm_microscaled``)."""
     cap = cuda_capability()
-    if cap is None or block_gemm_missing() is not None:
+    if cap is None:
         return ()
-    if cap[0] == 9 and _cuda_version() >= (12, 9):
+    if cap[0] == 9 and _cuda_version() >= (12, 9) and block_gemm_missing(BLOCKWISE) is None:
         return (BLOCKWISE,)
-    if cap[0] == 10 and _cuda_version() >= (12, 8):
+    if cap[0] == 10 and _cuda_version() >= (12, 8) and block_gemm_missing(MXFP8) is None:
         return (MXFP8, NVFP4)
     return ()
 
 
-def block_gemm_missing() -> str | None:
-    """Why the installed torch cannot drive the block-scaled GEMMs, or None: they need
-    ``torch.nn.functional.scaled_mm`` with its block-wise scaling types and swizzles."""
+def block_gemm_missing(family: str) -> str | None:
+    """Why the installed torch cannot drive ``family``'s block-scaled GEMM, or None: it
+    needs ``torch.nn.functional.scaled_mm`` (torch 2.10+), and for MXFP8 / NVFP4 its
+    swizzled scale layout (``SwizzleType.SWIZZLE_32_4_4``)."""
     functional = torch.nn.functional
-    swizzle = getattr(functional, "SwizzleType", None)
-    if not hasattr(functional, "scaled_mm") or not hasattr(swizzle, "SWIZZLE_32_4_4"):
+    if not hasattr(functional, "scaled_mm"):
         return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (2.10+)"
+    swizzle = getattr(functional, "SwizzleType", None)
+    if family in (MXFP8, NVFP4) and not hasattr(swizzle, "SWIZZLE_32_4_4"):
+        return f"torch {torch.__version__}'s F.scaled_mm takes no swizzled scales"
     return None
 
 
@@ -140,7 +143,7 @@ def _backend(device_type: str, family: str, mode: str) -> tuple[str | None, str]
                 f"{_describe(device_type)}; set FASTCAST_GEMM=emulate to run it emulated"
             )
         why = "torch has no block-scaled kernel of this family for this GPU"
-        missing = block_gemm_missing()
+        missing = block_gemm_missing(family)
         if family in (BLOCKWISE, MXFP8, NVFP4) and missing is not None:
             why = missing
         warnings.warn(

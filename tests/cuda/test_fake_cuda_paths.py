@@ -136,6 +136,27 @@ def test_torch_without_scaled_mm_warns_once_naming_its_version(name, monkeypatch
     assert "scaled_mm" in messages[0]
 
 
+def test_scaled_mm_without_swizzles_keeps_the_tile_kernel_only(monkeypatch):
+    """An ``F.scaled_mm`` that takes no swizzled scales: MXFP8 on sm100 is emulated
+    (with a warning saying so), 1x128 tiles on sm90 still run on the kernel."""
+    monkeypatch.delattr(torch.nn.functional, "SwizzleType")
+
+    def body(name, capability):
+        with simulated_cuda(capability) as launched:
+            layer = fake_parameters(fc.Linear(128, 256, bias=False, dtype=torch.bfloat16))
+            x = torch.empty(256, 128, device="cuda", dtype=torch.bfloat16)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with torch.no_grad(), fc.autocast(recipe=RECIPES[name]):
+                    layer(x)
+        return launched, [str(w.message) for w in caught if w.category is RuntimeWarning]
+
+    launched, messages = on_fresh_thread(body, "mxfp8", SM100)
+    assert launched.scaled_mm == [] and len(messages) == 1 and "swizzled" in messages[0]
+    launched, messages = on_fresh_thread(body, "block", (9, 0))
+    assert len(launched.scaled_mm) == 1 and messages == []
+
+
 # -- grouped experts --------------------------------------------------------------------------
 def _grouped_calls(launched, tokens: int, k: int, n: int) -> dict[str, str]:
     """Which grouped GEMM each ``torch._scaled_grouped_mm`` call was, by its a's shape:

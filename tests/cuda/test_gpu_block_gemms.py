@@ -14,6 +14,7 @@ from gemm_matrix import (
     BLOCK_MM,
     CAPABILITIES,
     EMULATED,
+    FAMILY,
     GROUPED_MM,
     HIGH,
     RECIPES,
@@ -104,7 +105,7 @@ def _record(step) -> Launches:
 def test_layer_paths_on_this_gpu(name):
     """A bias-free bf16 layer of whole tiles: the GEMMs that run on a kernel are those
     the table gives for this GPU's capability."""
-    missing = hardware.block_gemm_missing()
+    missing = hardware.block_gemm_missing(FAMILY[name])
     if missing is not None and name in ("block", "mxfp8", "nvfp4"):
         pytest.skip(missing)  # (the table is that of a torch with F.scaled_mm)
     tokens, k, n = WHOLE_TILES["tokens"], WHOLE_TILES["k"], WHOLE_TILES["n"]
