@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from .gemm_microscaled import scaled_mm_microscaled
 from .kernels import fused_op
 from .profiling import annotate
 from .reference.tiles import TILE
 from .runtime import hardware
-from .tensor import WHOLE, QuantizedTensor
+from .tensor import MXFP8, NVFP4, WHOLE, QuantizedTensor
 
 BACKENDS = ("hardware", "emulate")
 
@@ -151,6 +152,8 @@ def _fits_cuda_kernel(a: QuantizedTensor, b: QuantizedTensor) -> bool:
     k, n = a.shape[-1], b.shape[0]
     both_e5m2 = a.fmt == "e5m2" and b.fmt == "e5m2"
     fits = k % 16 == 0 and n % 16 == 0 and not both_e5m2
+    if a.fmt == "e2m1":  # NVFP4: two codes a byte, and the kernel wants K/2 bytes % 16
+        return fits and k % 32 == 0
     if fits and a.block[1] == TILE:
         # Whole 128-element tiles along K, and whole 128-row tiles for 128x128 operands
         # (cuBLASLt's block-scaled GEMM has no partial tiles).
@@ -166,6 +169,10 @@ def _scaled_mm_hardware(
     bias: torch.Tensor | None,
     accumulate: torch.Tensor | None,
 ) -> torch.Tensor:
+    if a.family in _MICROSCALED and a.data.is_cuda:
+        if not _block_kernel_writes(out_dtype, bias, accumulate):
+            return _scaled_mm_emulated(a, b, out_dtype, bias, accumulate)
+        return scaled_mm_microscaled(a, b, out_dtype)
     a2 = a.data if len(a.shape) == 2 else a.data.reshape(-1, a.shape[-1])
     b2 = b.data
     if a2.is_cuda:  # cuBLASLt wants a row-major a and a column-major b.T
@@ -223,10 +230,8 @@ def _scaled_mm_blocks(
     bias: torch.Tensor | None,
     accumulate: torch.Tensor | None,
 ) -> torch.Tensor:
-    """1x128 / 128x128 tiles on the GPU's block-scaled kernel (``F.scaled_mm``), which
-    writes bfloat16; a bias or an accumulation needs the FP32 product, which it does not
-    write, so those products are emulated (never rounded through bfloat16)."""
-    if accumulate is not None or bias is not None or not hardware.cuda_block_output(out_dtype):
+    """1x128 / 128x128 tiles on the GPU's block-scaled kernel (``F.scaled_mm``)."""
+    if not _block_kernel_writes(out_dtype, bias, accumulate):
         return _scaled_mm_emulated(a, b, out_dtype, bias, accumulate)
     functional = torch.nn.functional
     return functional.scaled_mm(
@@ -238,6 +243,19 @@ def _scaled_mm_blocks(
         _tile_recipe(b),
         output_dtype=out_dtype,
     )
+
+
+# Families whose CUDA product is ``gemm_microscaled``'s (sm100's MX / NV kernels).
+_MICROSCALED = (MXFP8, NVFP4)
+
+
+def _block_kernel_writes(
+    out_dtype: torch.dtype, bias: torch.Tensor | None, accumulate: torch.Tensor | None
+) -> bool:
+    """Whether a block-scaled kernel writes the product asked for: they write bfloat16;
+    a bias or an accumulation needs the FP32 product, which they do not write, so those
+    products are emulated (never rounded through bfloat16)."""
+    return accumulate is None and bias is None and hardware.cuda_block_output(out_dtype)
 
 
 def _tile_recipe(q: QuantizedTensor) -> object:

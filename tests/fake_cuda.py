@@ -27,12 +27,13 @@ from typing import Any
 from unittest import mock
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.autograd import Variable
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastcast.kernels import choice
 from fastcast.kernels import inductor as compiled
+from fastcast.reference import hadamard
 from fastcast.runtime import hardware
 
 _GUARD_SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")
@@ -65,6 +66,11 @@ class Launches:
     compiled_ops: list[str] = field(default_factory=list)
     scaled_mm: list[dict[str, Any]] = field(default_factory=list)
     host_syncs: list[str] = field(default_factory=list)
+    # torch._scaled_grouped_mm calls, and the dtypes of torch._grouped_mm's operands.
+    scaled_grouped_mm: list[dict[str, Any]] = field(default_factory=list)
+    grouped_mm: list[torch.dtype] = field(default_factory=list)
+    # Copies from host memory to the device (each a transfer the step would wait on).
+    host_to_device: list[str] = field(default_factory=list)
 
 
 class _Recorder(TorchDispatchMode):
@@ -94,9 +100,38 @@ class _Recorder(TorchDispatchMode):
                     "scale_a": (tuple(scales_a[0].shape), scales_a[0].dtype),
                     "scale_b": (tuple(scales_b[0].shape), scales_b[0].dtype),
                     "recipes": [list(recipe_a), list(recipe_b)],
+                    "swizzles": [list(args[4]), list(args[7])],
+                    "scales": [
+                        [(tuple(t.shape), t.dtype) for t in s] for s in (scales_a, scales_b)
+                    ],
                     "out_dtype": args[9] if len(args) > 9 else kwargs.get("out_dtype"),
                 }
             )
+        elif func is torch.ops.aten._scaled_grouped_mm.default:
+            a, b, scale_a, scale_b = args[:4]
+            self.launches.scaled_grouped_mm.append(
+                {
+                    "a": (tuple(a.shape), a.dtype),
+                    "b": (tuple(b.shape), b.dtype),
+                    "scale_a": (tuple(scale_a.shape), scale_a.dtype),
+                    "scale_b": (tuple(scale_b.shape), scale_b.dtype),
+                }
+            )
+        elif func is torch.ops.aten._grouped_mm.default:
+            a, b = args[:2]
+            self.launches.grouped_mm.append(a.dtype)
+            if a.dtype == torch.float32 and isinstance(a, FakeTensor) and a.is_cuda:
+                # The CUDA kernel runs FP32 on its fallback (a loop of mm over the groups,
+                # their ends read on the host), which the meta function does not model:
+                # the shapes of a bf16 call, in FP32.
+                low = [x.to(torch.bfloat16) for x in (a, b)]
+                return func(*low, *args[2:], **kwargs).float()
+        elif func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            out = func(*args, **kwargs)
+            if src.device.type == "cpu" and out.device.type == "cuda":
+                self.launches.host_to_device.append(f"{str(func)} {tuple(src.shape)}")
+            return out
         elif func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
             self.launches.host_syncs.append(str(func))
         return func(*args, **kwargs)
@@ -122,6 +157,19 @@ def simulated_cuda(
         return call
 
     missing = None if triton else "triton is not importable (simulated)"
+    # fastcast keeps the Hadamard matrix on each device in a process-wide cache, but
+    # builds it afresh under a FakeTensorMode (a fake tensor must not outlive its mode):
+    # here a cache of the simulation's own lifetime stands in for the process's, so a
+    # second training step copies nothing from the host, as on a GPU.
+    matrices: dict[Any, torch.Tensor] = {}
+    real_rht_matrix = hadamard.rht_matrix
+
+    def rht_matrix(signs: Any, device: Any = "cpu") -> torch.Tensor:
+        key = (tuple(signs), str(device))
+        if key not in matrices:
+            matrices[key] = real_rht_matrix(signs, device)
+        return matrices[key]
+
     patches = [
         mock.patch.object(torch.cuda, "is_available", lambda: True),
         mock.patch.object(torch.cuda, "device_count", lambda: 1),
@@ -134,6 +182,7 @@ def simulated_cuda(
         mock.patch.object(choice, "_triton_missing", lambda: missing),
         mock.patch.object(compiled, "_compile", recording_compile),
         mock.patch.object(compiled, "_ops", None),
+        mock.patch.object(hadamard, "rht_matrix", rht_matrix),
     ]
     with contextlib.ExitStack() as stack:
         for p in patches:
@@ -194,7 +243,9 @@ def run_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
         order.append(node)
 
     visit(output.grad_fn)
-    pending: dict[Any, list[torch.Tensor]] = {output.grad_fn: [grad]}
+    # Gradients reaching each node, per output of its forward (a node of several
+    # outputs, a split or a chunk, takes one gradient for each).
+    pending: dict[Any, dict[int, list[torch.Tensor]]] = {output.grad_fn: {0: [grad]}}
     callbacks: list[Any] = []
 
     class _Engine:
@@ -203,20 +254,25 @@ def run_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
 
     with mock.patch.object(Variable, "_execution_engine", _Engine()):
         for node in reversed(order):
-            grads = pending.pop(node, None)
-            if grads is None:
+            received = pending.pop(node, None)
+            if received is None:
                 continue
-            g = grads[0]
-            for extra in grads[1:]:
-                g = g + extra
+            grads: list[Any] = []
+            for index in range(max(len(getattr(node, "_input_metadata", ())), 1)):
+                parts = received.get(index)
+                total = None
+                for part in parts or ():
+                    total = part if total is None else total + part
+                grads.append(total)
             variable = getattr(node, "variable", None)
             if variable is not None:  # AccumulateGrad
+                g = grads[0]
                 variable.grad = g if variable.grad is None else variable.grad + g
                 continue
-            outs = node(g) if callable(node) else node.apply(g)
+            outs = node(*grads) if callable(node) else node.apply(*grads)
             outs = outs if isinstance(outs, tuple) else (outs,)
-            for (nxt, _), out in zip(node.next_functions, outs):
+            for (nxt, input_nr), out in zip(node.next_functions, outs):
                 if nxt is not None and out is not None:
-                    pending.setdefault(nxt, []).append(out)
+                    pending.setdefault(nxt, {}).setdefault(input_nr, []).append(out)
         for fn in callbacks:
             fn()

@@ -6,9 +6,11 @@ expert; ``offs`` ``[E]`` (int32, on the tokens' device) holds the cumulative end
 each expert's group; the experts' weights are one ``[E, N, K]`` tensor. Group sizes
 never leave the device: every per-group quantity (a group's scale, the group of a
 token, the padding of a group to a block multiple) is computed with device-side index
-arithmetic (``searchsorted``, ``scatter_reduce``, ``index_copy``), so a forward and
-backward make no device-to-host synchronisation, can be captured in a CUDA graph and
-compile with ``fullgraph=True``.
+arithmetic (``searchsorted``, ``scatter_reduce``, ``index_copy``), so fastcast's own
+operations make no device-to-host synchronisation and compile with ``fullgraph=True``.
+(On a GPU the emulated GEMMs still sync: torch's CUDA ``_grouped_mm`` takes FP32 only
+on its fallback, which reads ``offs`` back to the host. Only the GEMMs on
+``torch._scaled_grouped_mm`` are free of it; docs/cuda.md.)
 
 Scaling, per recipe family (the contraction dim of each GEMM is the one blocks run
 along, as for the dense GEMMs):

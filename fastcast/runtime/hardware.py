@@ -9,8 +9,8 @@ The GEMM backend for each scaling family is one of:
 ``auto`` the CPU emulates what it has no kernel for, and per-row scaling (its kernel is
 slower than the emulation); a CUDA device must have FP8 tensor
 cores (compute capability 8.9+); it runs 1x128/128x128 block scaling on sm90's kernels
-(``cuda_block_families``) and emulates, with a warning, the block-scaled families whose
-tensor-core path fastcast does not drive there (MXFP8, NVFP4; 1x128 off sm90).
+and MXFP8 / NVFP4 on sm100's (``cuda_block_families``), and emulates, with a warning,
+the block-scaled families the GPU (or the installed torch) has no kernel for.
 """
 
 from __future__ import annotations
@@ -73,14 +73,32 @@ def _cuda_version() -> tuple[int, ...]:
 
 @functools.cache
 def cuda_block_families() -> tuple[str, ...]:
-    """The block-scaled families whose GEMM torch runs on this GPU: 1x128/128x128 tiles
-    on sm90 through ``torch.nn.functional.scaled_mm`` (torch 2.10+) over cuBLASLt 12.9+
-    (``aten/src/ATen/native/cuda/ScaledBlas.cpp``). MXFP8 and NVFP4 (sm100) are not
-    driven yet: emulated, with a warning."""
+    """The block-scaled families whose GEMM torch runs on this GPU, all through
+    ``torch.nn.functional.scaled_mm`` (torch 2.10+; ``aten/src/ATen/native/cuda/
+    ScaledBlas.cpp``): 1x128/128x128 tiles on sm90 over cuBLASLt 12.9+; MXFP8 (E8M0
+    scales) and NVFP4 (E4M3 block scales and an FP32 tensor scale) on sm100 (compute
+    capability 10.x) over cuBLASLt 12.8+, with swizzled scales (``gemm_microscaled``)."""
     cap = cuda_capability()
-    if cap is None or not hasattr(torch.nn.functional, "scaled_mm"):
+    if cap is None:
         return ()
-    return (BLOCKWISE,) if cap[0] == 9 and _cuda_version() >= (12, 9) else ()
+    if cap[0] == 9 and _cuda_version() >= (12, 9) and block_gemm_missing(BLOCKWISE) is None:
+        return (BLOCKWISE,)
+    if cap[0] == 10 and _cuda_version() >= (12, 8) and block_gemm_missing(MXFP8) is None:
+        return (MXFP8, NVFP4)
+    return ()
+
+
+def block_gemm_missing(family: str) -> str | None:
+    """Why the installed torch cannot drive ``family``'s block-scaled GEMM, or None: it
+    needs ``torch.nn.functional.scaled_mm`` (torch 2.10+), and for MXFP8 / NVFP4 its
+    swizzled scale layout (``SwizzleType.SWIZZLE_32_4_4``)."""
+    functional = torch.nn.functional
+    if not hasattr(functional, "scaled_mm"):
+        return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (2.10+)"
+    swizzle = getattr(functional, "SwizzleType", None)
+    if family in (MXFP8, NVFP4) and not hasattr(swizzle, "SWIZZLE_32_4_4"):
+        return f"torch {torch.__version__}'s F.scaled_mm takes no swizzled scales"
+    return None
 
 
 def cuda_block_output(dtype: torch.dtype) -> bool:
@@ -124,9 +142,10 @@ def _backend(device_type: str, family: str, mode: str) -> tuple[str | None, str]
                 f"FP8 needs a GPU of compute capability 8.9 or newer, this is "
                 f"{_describe(device_type)}; set FASTCAST_GEMM=emulate to run it emulated"
             )
-        why = "fastcast drives no block-scaled kernel of this family here"
-        if family == BLOCKWISE and not hasattr(torch.nn.functional, "scaled_mm"):
-            why = f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (2.10+)"
+        why = "torch has no block-scaled kernel of this family for this GPU"
+        missing = block_gemm_missing(family)
+        if family in (BLOCKWISE, MXFP8, NVFP4) and missing is not None:
+            why = missing
         warnings.warn(
             f"fastcast: {family} GEMMs run emulated (dequantize + matmul) on "
             f"{_describe(device_type)}: {why}",

@@ -15,20 +15,11 @@ import warnings
 import pytest
 import torch
 from fake_cuda import fake_parameters, on_fresh_thread, run_backward, simulated_cuda
+from gemm_matrix import BLOCK_MM, LAYER, RECIPES, SCALED_MM, SM89, SM90, SM100, linear_paths
 
 import fastcast as fc
 from fastcast.runtime import hardware
 
-SM89, SM90, SM100 = (8, 9), (9, 0), (10, 0)
-RECIPES = {
-    "delayed": fc.DelayedScaling(amax_history_len=4),
-    "current": fc.Float8CurrentScaling(),
-    "rowwise": fc.Float8RowwiseScaling(),
-    "rowwise_hp_wgrad": fc.Float8RowwiseScaling(wgrad_high_precision=True),
-    "block": fc.Float8BlockScaling(),
-    "mxfp8": fc.MXFP8BlockScaling(),
-    "nvfp4": fc.NVFP4BlockScaling(),
-}
 # Which quantize operators each family launches on CUDA (compiled forms), and the
 # dequantize operators an emulated GEMM reads its operands through.
 OPERATORS = {
@@ -40,30 +31,6 @@ OPERATORS = {
     "mxfp8": {"quantize_mxfp8", "dequantize_blocks"},
     "nvfp4": {"quantize_nvfp4", "dequantize_nvfp4"},
 }
-
-
-def tensor_core_gemms(
-    name: str, capability: tuple[int, int], dtype: torch.dtype, cuda: str = "12.9"
-) -> int:
-    """How many of the layer's three GEMMs should run on FP8 tensor cores, from what the
-    kernels support (not from fastcast's code): per-tensor FP8 on sm89+; per-row FP8 with
-    a bf16 output on sm89+, any float output on sm90 with cuBLAS 12.9+; 1x128/128x128
-    tiles on sm90 (below); MXFP8 and NVFP4 are emulated (fastcast does not drive their
-    sm100 kernels yet)."""
-    if capability < SM89:
-        return 0
-    if name in ("delayed", "current"):
-        return 3
-    if name.startswith("rowwise"):
-        fp32_ok = capability[0] == 9 and tuple(map(int, cuda.split("."))) >= (12, 9)
-        gemms = 2 if name == "rowwise_hp_wgrad" else 3
-        return gemms if dtype == torch.bfloat16 or fp32_ok else 0
-    if name == "block" and capability == SM90 and dtype == torch.bfloat16:
-        # cuBLASLt's 1x128/128x128 kernel (sm90, CUDA 12.9+) writes bf16, with no bias
-        # and whole tiles: in linear_fwd_bwd's layer only the dgrad (the forward has a
-        # bias, the weight gradient contracts 64 tokens, half a tile).
-        return 1
-    return 0
 
 
 def fresh_thread(test):
@@ -93,32 +60,86 @@ def linear_fwd_bwd(recipe, dtype, tokens=64, k=128, n=256, bias=True):
 def test_linear_forward_backward_on_fake_cuda(name, capability, dtype):
     def body():
         with simulated_cuda(capability) as launched:
+            linear_fwd_bwd(RECIPES[name], dtype)  # the first step: caches filled
+            first_copies = list(launched.host_to_device)
+            launched.scaled_mm.clear()
+            launched.host_to_device.clear()
             layer, x, y = linear_fwd_bwd(RECIPES[name], dtype)
             assert (y.shape, y.dtype, y.device.type) == ((64, 256), dtype, "cuda")
             assert (x.grad.shape, x.grad.dtype, x.grad.device.type) == ((64, 128), dtype, "cuda")
             assert layer.weight.grad.shape == (256, 128) and layer.weight.grad.dtype == dtype
             assert layer.bias.grad.shape == (256,) and layer.bias.grad.dtype == dtype
+        # Only NVFP4's Hadamard matrix is copied to the device, once per process.
+        assert len(first_copies) <= (1 if name == "nvfp4" else 0)
         return launched
 
     launched = on_fresh_thread(body)
-    # The GEMM path: tensor cores where the kernels allow, with the scales they take.
-    assert len(launched.scaled_mm) == tensor_core_gemms(name, capability, dtype)
+    # The GEMM path of each GEMM, as gemm_matrix (docs/cuda.md's table) says, with the
+    # scales the kernels take.
+    expected = linear_paths(name, capability, dtype, **LAYER)
+    ran = {_which_gemm(call, tokens=64, k=128, n=256): _path(call) for call in launched.scaled_mm}
+    assert ran == {g: p for g, p in expected.items() if p in (SCALED_MM, BLOCK_MM)}
     for call in launched.scaled_mm:
-        (m, _), (nn_, _, b_stride) = call["a"][:2], call["b"][:3]
-        assert call["scale_a"][1] == call["scale_b"][1] == torch.float32
-        assert b_stride[0] == 1  # b is column-major, as cuBLASLt wants b.T row-major
-        if name.startswith("rowwise"):
-            assert call["scale_a"][0] == (m[0], 1) and call["scale_b"][0] == (1, nn_[1])
-        elif name == "block":  # 1x128 tiles of a; b's 128x128 tiles, K blocks padded to 4
-            k_tiles = m[1] // 128
-            assert call["scale_a"][0] == (m[0], k_tiles)
-            assert call["scale_b"][0] == (-(-k_tiles // 4) * 4, nn_[1] // 128)
-        else:
-            assert call["scale_a"][0] in ((), (1,)) and call["scale_b"][0] in ((), (1,))
+        _check_kernel_scales(name, call)
     # Quantization ran the compiled CUDA operators, each of this family's, and no step
-    # asked the device for a value (a host sync would stall the GPU's queue).
+    # asked the device for a value (a host sync would stall the GPU's queue) or copied
+    # from the host.
     assert launched.compiled_ops and set(launched.compiled_ops) <= OPERATORS[name]
-    assert launched.host_syncs == []
+    assert launched.host_syncs == [] and launched.host_to_device == []
+
+
+def _path(call) -> str:
+    return BLOCK_MM if "recipes" in call else SCALED_MM
+
+
+def _logical_k(call) -> tuple[int, int]:
+    """``(rows, K)`` of a recorded call's ``a`` (NVFP4 packs two elements a byte)."""
+    (m, k), dtype = call["a"]
+    return m, k * 2 if dtype == torch.float4_e2m1fn_x2 else k
+
+
+def _which_gemm(call, tokens: int, k: int, n: int) -> str:
+    """Forward ``[tokens, k]``, dgrad ``[tokens, n]`` or wgrad ``[n, tokens]``, by a's shape."""
+    return {(tokens, k): "forward", (tokens, n): "dgrad", (n, tokens): "wgrad"}[_logical_k(call)]
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _check_kernel_scales(name: str, call) -> None:
+    """The scales each kernel reads, from what the kernels take (not fastcast's code)."""
+    (m, k), (nn_, b_stride) = _logical_k(call), (call["b"][0][1], call["b"][2])
+    assert b_stride[0] == 1  # b is column-major, as cuBLASLt wants b.T row-major
+    scaling, swizzle = torch.nn.functional.ScalingType, torch.nn.functional.SwizzleType
+    if name.startswith("rowwise"):
+        assert call["scale_a"] == ((m, 1), torch.float32)
+        assert call["scale_b"] == ((1, nn_), torch.float32)
+    elif name == "block":  # 1x128 tiles of a; b's 128x128 tiles, K blocks padded to 4
+        assert call["scale_a"] == ((m, k // 128), torch.float32)
+        if call["recipes"][1] == [scaling.BlockWise128x128.value]:
+            assert call["scale_b"] == ((_round_up(k // 128, 4), nn_ // 128), torch.float32)
+    elif name in ("mxfp8", "nvfp4"):
+        block, dtype = (32, torch.float8_e8m0fnu) if name == "mxfp8" else (16, torch.float8_e4m3fn)
+        levels = (
+            [scaling.BlockWise1x32]
+            if name == "mxfp8"
+            else [
+                scaling.BlockWise1x16,
+                scaling.TensorWise,
+            ]
+        )
+        swizzles = [swizzle.SWIZZLE_32_4_4] + [swizzle.NO_SWIZZLE] * (len(levels) - 1)
+        assert call["recipes"] == [[r.value for r in levels]] * 2
+        assert call["swizzles"] == [[s.value for s in swizzles]] * 2
+        cols = _round_up(k // block, 4)
+        tensor_scale = [((1,), torch.float32)] if name == "nvfp4" else []
+        assert call["scales"][0] == [((_round_up(m, 128) * cols,), dtype), *tensor_scale]
+        assert call["scales"][1] == [((_round_up(nn_, 128) * cols,), dtype), *tensor_scale]
+        assert call["out_dtype"] == torch.bfloat16
+    else:
+        assert call["scale_a"][0] in ((), (1,)) and call["scale_b"][0] in ((), (1,))
+        assert call["scale_a"][1] == call["scale_b"][1] == torch.float32
 
 
 @pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "current"])
