@@ -178,10 +178,10 @@ at::Tensor dequantize_nvfp4(const at::Tensor& packed, const at::Tensor& scales,
   const bool on_device = global_scale_inv.is_cuda();
   const float value = on_device ? 0.0f : *global_scale_inv.const_data_ptr<float>();
   const float* pointer = on_device ? global_scale_inv.const_data_ptr<float>() : nullptr;
+  const bool aligned = reinterpret_cast<uintptr_t>(data.const_data_ptr()) % 8 == 0;
   nvfp4_kernel<<<grid_for(rows * blocks, kThreads), kThreads, 0, current_stream()>>>(
       data.const_data_ptr<uint8_t>(), static_cast<const uint8_t*>(grid.const_data_ptr()),
-      pointer, value, rows, cols, block_rows, reinterpret_cast<uintptr_t>(data.const_data_ptr()) % 8 == 0,
-      out.data_ptr<float>());
+      pointer, value, rows, cols, block_rows, aligned, out.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
