@@ -18,7 +18,14 @@ import re
 
 import pytest
 import torch
-from test_native_cuda import assert_same, every_16_bit, on_gpu, random_fp32, with_nonfinite
+from test_native_cuda import (
+    assert_same,
+    bits,
+    every_16_bit,
+    on_gpu,
+    random_fp32,
+    with_nonfinite,
+)
 
 from fastcast.kernels import build, choice
 from fastcast.quantizers.nvfp4 import NVFP4Quantizer
@@ -328,7 +335,7 @@ def test_capturable_in_a_cuda_graph(ops):
     graph.replay()
     torch.cuda.synchronize()
     for i in (0, 1, 2, 3, 4):  # the deterministic outputs
-        assert torch.equal(captured[i].view(torch.uint8), eager[i].view(torch.uint8)), i
+        assert torch.equal(bits(captured[i]), bits(eager[i])), i
     values_equal(captured[5], eager[5].cpu(), "dequantized")
 
 
