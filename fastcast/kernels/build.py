@@ -82,7 +82,17 @@ OPS = (
 # a second library, built only where torch has CUDA, a GPU is present and nvcc is found,
 # and loaded after the CPU library (which defines the operators' schemas). The existing
 # entry points reach these kernels for CUDA tensors through the dispatcher.
-CUDA_SOURCES = tuple(CSRC / "cuda" / name for name in ("tensorwise.cu", "rows.cu", "blocks.cu"))
+CUDA_SOURCES = tuple(
+    CSRC / "cuda" / name
+    for name in (
+        "tensorwise.cu",
+        "delayed.cu",
+        "rows.cu",
+        "blocks.cu",
+        "nvfp4.cu",
+        "dequantize.cu",
+    )
+)
 CUDA_HEADERS = (CSRC / "element.h", CSRC / "cuda" / "common.cuh")
 CUDA_NAME = "fastcast_kernels_cuda"
 # No fused multiply-add: the element arithmetic (element.h) must round as the CPU's does.

@@ -7,6 +7,7 @@ the native kernels do not build, and nothing native at all on a CPU build of tor
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from fake_cuda import on_fresh_thread, simulated_cuda
 
 from fastcast.kernels import build, choice
+from fastcast.quantizers.nvfp4 import NVFP4Quantizer
 
 SM90 = (9, 0)
 
@@ -102,3 +104,58 @@ def test_fused_mode_accepts_native_kernels_without_triton_only_when_they_cover_a
         with pytest.warns(RuntimeWarning, match="without a native CUDA kernel"):
             assert choice.fused_op("quantize_tensorwise", x) is entry_points["quantize_tensorwise"]
         assert choice.fused_op("quantize_rows", x) is None  # the reference
+
+
+# The operators the CUDA sources register kernels for (m.impl in a
+# TORCH_LIBRARY_IMPL(fastcast_kernels, CUDA, m) block): what build.cuda_ops() reports
+# once they are built, so what choice hands out for CUDA tensors.
+NATIVE_CUDA = {
+    "quantize_tensorwise",
+    "record_amax",
+    "quantize_recording",
+    "delayed_update",
+    "quantize_rows",
+    "quantize_blocks",
+    "quantize_mxfp8",
+    "quantize_nvfp4",
+    "dequantize_blocks",
+    "dequantize_nvfp4",
+}
+_CUDA_BLOCK = re.compile(r"TORCH_LIBRARY_IMPL\(fastcast_kernels, CUDA, m\) \{(.*?)\n\}", re.S)
+_IMPL = re.compile(r'm\.impl\("(\w+)"')
+
+
+def registered_in_sources() -> list[str]:
+    names: list[str] = []
+    for source in build.CUDA_SOURCES:
+        for block in _CUDA_BLOCK.findall(source.read_text()):
+            names += _IMPL.findall(block)
+    return names
+
+
+def test_the_cuda_sources_register_a_kernel_for_each_native_operator():
+    names = registered_in_sources()
+    assert len(names) == len(set(names)), "an operator registered twice"
+    assert set(names) == NATIVE_CUDA
+    assert NATIVE_CUDA <= set(build.OPS)  # schemas the CPU library defines
+
+
+@fresh_thread
+def test_nvfp4_dequantize_and_delayed_update_take_their_native_kernels(entry_points, monkeypatch):
+    monkeypatch.setattr(build, "cuda_torch", lambda: True)
+    monkeypatch.setattr(build, "load_cuda", lambda: 0.0)
+    monkeypatch.setattr(build, "cuda_ops", lambda: tuple(sorted(NATIVE_CUDA)))
+    with simulated_cuda(SM90) as launches:
+        x = torch.randn(32, 64, device="cuda")
+        for name in ("quantize_nvfp4", "dequantize_nvfp4", "dequantize_blocks", "delayed_update"):
+            assert choice.fused_op(name, x) is entry_points[name], name
+        # Through the quantizer: the native entry point (the fake kernel here), no
+        # Inductor operator, the layouts' shapes as the CUDA kernel returns them.
+        for block_2d in (False, True):
+            quantizer = NVFP4Quantizer(block_2d=block_2d, stochastic_rounding=True)
+            q = quantizer.quantize(x, rowwise=True, columnwise=True)
+            assert q.data.shape == (32, 32) and q.data_t.shape == (64, 16)
+            assert q.scale_inv.shape == ((2, 4) if block_2d else (32, 4))
+            assert q.scale_inv_t.shape == ((4, 2) if block_2d else (64, 2))
+            assert q.dequantize(torch.float32).shape == (32, 64)
+        assert launches.compiled_ops == []

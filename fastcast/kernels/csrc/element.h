@@ -167,6 +167,20 @@ FASTCAST_HD uint8_t cast_fp8(float v, float scale, float fmt_max) {
   return E4M3 ? cast_e4m3(v, scale, fmt_max) : cast_e5m2(v, scale, fmt_max);
 }
 
+// An FP16 value (its bits) widened to FP32 exactly, a NaN keeping its sign and payload
+// (quieted), as torch's CPU widening does. (__half2float returns the canonical, positive
+// NaN: an H200 run cast every negative FP16 NaN to E5M2 0x7F, the CPU to 0xFF.)
+FASTCAST_HD float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  const float subnormal = static_cast<float>(mantissa) * 0x1p-24f;  // exact
+  const uint32_t normal = ((exponent + 112u) << 23) | (mantissa << 13);
+  const uint32_t special = 0x7F800000u | (mantissa << 13) | (mantissa != 0 ? 0x400000u : 0u);
+  const uint32_t magnitude =
+      exponent == 0 ? bits_of(subnormal) : (exponent == 31 ? special : normal);
+  return float_of(magnitude | sign);
+}
+
 // ---- MXFP8: E8M0 shared exponents ------------------------------------------------------
 
 struct MxParams {
@@ -209,6 +223,132 @@ FASTCAST_HD int32_t shared_exponent(float amax, const MxParams& p) {
 // 0x00400000, the rest have a zero mantissa.
 FASTCAST_HD float power_of_2(int32_t n) {
   return float_of(n >= -126 ? static_cast<uint32_t>(n + 127) << 23 : 1u << 22);
+}
+
+// ---- NVFP4: E2M1 elements, E4M3 block scales, an FP32 tensor scale ---------------------
+// (fastcast/quantizers/nvfp4.py's module docstring defines the math; TransformerEngine's
+// formulas, each step rounded to FP32 where the reference rounds.)
+
+constexpr float kE2M1Max = 6.0f;
+constexpr float kE4M3Max = 448.0f;
+constexpr float kOneSixth = 1.0f / 6.0f;  // 1/6 rounded to FP32, as the reference's
+
+// The absolute value by clearing the sign bit (fabs; NaN stays NaN).
+FASTCAST_HD float abs_of(float v) { return float_of(bits_of(v) & 0x7FFFFFFFu); }
+
+// floor for a value >= 0 or NaN (the stochastic rounding's units, at most 12).
+FASTCAST_HD float floor_of(float v) {
+#if defined(__CUDA_ARCH__)
+  return floorf(v);
+#else
+  return __builtin_floorf(v);
+#endif
+}
+
+// scale_from_amax(amax, 6 * 448): the tensor encode scale s_enc, 1.0 for an amax of 0,
+// floored so it stays finite. `amax` is the max over the finite elements.
+FASTCAST_HD float nvfp4_encode_scale(float amax) {
+  const float target = kE2M1Max * kE4M3Max;
+  const float usable = is_finite(amax) ? amax : 0.0f;
+  const float floor = static_cast<float>(static_cast<double>(target) / kFloatMax);
+  const float scale = target / max_of(usable, floor);
+  return usable > 0 ? scale : 1.0f;
+}
+
+// A value in [0, 448] (or NaN) as its E4M3 byte, rounded as torch's cast rounds.
+FASTCAST_HD uint8_t e4m3_byte(float y) { return round_to_fp8<3, 7>(y, 1087u << 20, 0x7Eu, 0x7Eu); }
+
+// The value of a non-negative E4M3 byte (0x7F: NaN), as c10 widens it, without branches.
+FASTCAST_HD float e4m3_value(uint8_t byte) {
+  const uint32_t code = byte;
+  const float subnormal = static_cast<float>(code & 7u) * 0x1p-9f;
+  const float normal = float_of((code << 20) + (uint32_t(127 - 7) << 23));
+  const float value = (code >> 3) == 0 ? subnormal : normal;
+  return code == 0x7Fu ? float_of(0x7FC00000u) : value;
+}
+
+// Any E4M3 (fn) or E5M2 byte widened to FP32, as c10 widens it (a NaN's payload aside):
+// the magnitude from e4m3_value, or E5M2's as the top byte of an FP16, then the sign.
+FASTCAST_HD float e5m2_value(uint8_t byte) {
+  const uint32_t exponent = (byte >> 2) & 0x1Fu, mantissa = byte & 3u;
+  const float subnormal = static_cast<float>(mantissa) * 0x1p-16f;
+  const float normal = float_of(((exponent + 112u) << 23) | (mantissa << 21));
+  const float special = float_of(mantissa == 0 ? 0x7F800000u : 0x7FC00000u);
+  return exponent == 0 ? subnormal : (exponent == 31 ? special : normal);
+}
+
+template <bool E4M3>
+FASTCAST_HD float fp8_to_float(uint8_t byte) {
+  const float magnitude = E4M3 ? e4m3_value(byte & 0x7Fu) : e5m2_value(byte & 0x7Fu);
+  return float_of(bits_of(magnitude) | (uint32_t(byte & 0x80u) << 24));
+}
+
+// The E4M3 byte of a block decode scale s_dec = amax_b * s_enc_6 with s_enc_6 = s_enc *
+// (1/6) (scale_and_cast e4m3: a non-finite amax gives NaN, a finite one saturates at 448).
+FASTCAST_HD uint8_t nvfp4_decode_scale(float amax_b, float s_enc_6) {
+  const uint8_t byte = e4m3_byte(min_of(amax_b * s_enc_6, kE4M3Max));
+  return is_inf_or_nan(amax_b) ? uint8_t{0x7F} : byte;
+}
+
+// The per-block encode multiplier 1 / (s_dec * s_dec_global) from the stored E4M3 s_dec,
+// clamped to the FP32 max; 0 for a zero s_dec (the block encodes as zeros), NaN for a
+// NaN one.
+FASTCAST_HD float nvfp4_encode_multiplier(uint8_t s_dec_byte, float s_dec_global) {
+  const float s_dec = e4m3_value(s_dec_byte);
+  const float multiplier = min_of(1.0f / (s_dec * s_dec_global), kFloatMax);  // NaN stays
+  return s_dec == 0.0f ? 0.0f : multiplier;
+}
+
+// E2M1 magnitude code of a scaled magnitude, rounded to nearest with ties to the even
+// code (>= where a tie rounds up); NaN gives 0. Comparisons summed: it vectorises.
+FASTCAST_HD uint8_t e2m1_nearest(float s) {
+  return static_cast<uint8_t>((s > 0.25f) + (s >= 0.75f) + (s > 1.25f) + (s >= 1.75f) +
+                              (s > 2.5f) + (s >= 3.5f) + (s > 5.0f));
+}
+
+// _round_stochastic for one scaled magnitude and its draw: to the grid value below plus
+// one step when the draw is below the fraction of a step (all exact in FP32).
+FASTCAST_HD uint8_t e2m1_stochastic(float s, float draw) {
+  const float clamped = min_of(s, kE2M1Max);  // NaN stays NaN
+  const float step = clamped >= 4.0f ? 2.0f : (clamped >= 2.0f ? 1.0f : 0.5f);
+  const float units = clamped / step;
+  float lower = floor_of(units);
+  lower += (draw < units - lower) ? 1.0f : 0.0f;
+  return e2m1_nearest(lower * step);
+}
+
+// The signed E2M1 code of x under its block's multiplier: bit 3 for x < 0 (NaN and -0.0
+// give +0). `draw` is read only when Stochastic.
+template <bool Stochastic>
+FASTCAST_HD uint8_t e2m1_code(float x, float multiplier, float draw) {
+  const float s = abs_of(x) * multiplier;
+  const uint8_t code = Stochastic ? e2m1_stochastic(s, draw) : e2m1_nearest(s);
+  return static_cast<uint8_t>(code | (x < 0.0f ? 8 : 0));
+}
+
+// The value of a 4-bit E2M1 code (bit 3 the sign, then the magnitude index of
+// formats.E2M1_VALUES {0, 0.5, 1, 1.5, 2, 3, 4, 6}), built as FP32 bits: index 1 is the
+// subnormal 0.5, an index i >= 2 is (1 + (i & 1) / 2) * 2**((i >> 1) - 1).
+FASTCAST_HD float e2m1_value(uint8_t code) {
+  const uint32_t mag = code & 7u, sign = uint32_t(code & 8u) << 28;
+  const uint32_t normal = ((mag >> 1) + 126u) << 23 | (mag & 1u) << 22;
+  const uint32_t bits = mag >= 2 ? normal : (mag == 1 ? 0x3F000000u : 0u);
+  return float_of(bits | sign);
+}
+
+// ---- Delayed scaling's update ----------------------------------------------------------
+
+// max() that keeps a NaN from either side, as torch.amax does (`v > a` is false for a
+// NaN on either side, so only `v != v` takes one in). Branch-free: it vectorises.
+FASTCAST_HD float nan_max(float a, float v) { return (v > a || v != v) ? v : a; }
+
+// The new scale of a column whose window amax is `amax`: target / max(amax, floor), at
+// least `least` when that is > 0; the old scale where the amax is not finite and > 0
+// (nan_to_num(nan=0, posinf=0)).
+FASTCAST_HD float delayed_scale(float amax, float old, float target, float floor, float least) {
+  float next = target / max_of(amax, floor);
+  next = least > 0 ? max_of(next, least) : next;
+  return is_finite(amax) && amax > 0 ? next : old;
 }
 
 }  // namespace fastcast

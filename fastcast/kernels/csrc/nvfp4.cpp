@@ -32,9 +32,6 @@ namespace nvfp4 {
 namespace {
 
 constexpr int64_t kBlock = 16;
-constexpr float kE2M1Max = 6.0f;
-constexpr float kE4M3Max = 448.0f;
-constexpr float kOneSixth = 1.0f / 6.0f;  // 1/6 rounded to FP32, as the reference's
 
 // What the tiles of one quantization share: the shape, the layouts asked, where the
 // draws, block amaxes and outputs are. `rows x cols` is the input viewed as [R, K].
@@ -146,56 +143,16 @@ float block_amaxes(const T* x, const Job& job) {
 }
 
 // ---- Scales ----------------------------------------------------------------------------
-
-// scale_from_amax(amax, 6 * 448): the tensor encode scale s_enc, 1.0 for an amax of 0,
-// floored so it stays finite. Each step rounds to FP32 where torch does.
-float encode_scale(float amax) {
-  const float target = kE2M1Max * kE4M3Max;
-  const float usable = std::isfinite(amax) ? amax : 0.0f;
-  const float floor = static_cast<float>(static_cast<double>(target) / FLT_MAX);
-  const float scale = target / std::max(usable, floor);
-  return usable > 0 ? scale : 1.0f;
-}
-
-// A value in [0, 448] as its E4M3 byte, rounded as torch's cast rounds (fp8.h; never
-// beyond the range here).
-inline uint8_t e4m3_byte(float y) { return round_to_fp8<3, 7>(y, 1087u << 20, 0x7Eu, 0x7Eu); }
-
-// The value of a non-negative E4M3 byte (0x7F: NaN), as c10 widens it, without branches.
-inline float e4m3_value(uint8_t byte) {
-  const uint32_t code = byte;
-  const float subnormal = static_cast<float>(code & 7u) * 0x1p-9f;
-  const float normal = float_of((code << 20) + (uint32_t(127 - 7) << 23));
-  const float value = (code >> 3) == 0 ? subnormal : normal;
-  return code == 0x7Fu ? std::numeric_limits<float>::quiet_NaN() : value;
-}
-
-// TransformerEngine's formulas, as the reference (module docstring): the block decode
-// scale amax_b * (s_enc * (1/6)) and the encode multiplier 1 / (s_dec * (1 / s_enc)).
-
-// The E4M3 byte of a block decode scale s_dec = amax_b * s_enc_6 with s_enc_6 = s_enc *
-// (1/6) (scale_and_cast e4m3: a non-finite amax gives NaN, a finite one saturates at 448).
-inline uint8_t decode_scale(float amax_b, float s_enc_6) {
-  const uint8_t byte = e4m3_byte(std::min(amax_b * s_enc_6, kE4M3Max));
-  return is_inf_or_nan(amax_b) ? uint8_t{0x7F} : byte;
-}
-
-// The per-block encode multiplier 1 / (s_dec * s_dec_global) from the stored E4M3 s_dec,
-// clamped to the FP32 max; 0 for a zero s_dec (the block encodes as zeros), NaN for a NaN
-// one.
-inline float encode_multiplier(uint8_t s_dec_byte, float s_dec_global) {
-  const float s_dec = e4m3_value(s_dec_byte);
-  const float multiplier = std::min(1.0f / (s_dec * s_dec_global), FLT_MAX);  // NaN stays
-  return s_dec == 0.0f ? 0.0f : multiplier;
-}
+// The element arithmetic (s_enc, the E4M3 block scales, the multipliers, the E2M1
+// rounding) is element.h's, shared with the CUDA kernel (cuda/nvfp4.cu).
 
 // The scale bytes and encode multipliers of n blocks from their amaxes.
 FASTCAST_HOT void block_scales(const float* __restrict amax, int64_t n, float s_enc,
                                      uint8_t* __restrict s_dec, float* __restrict mult) {
   const float s_enc_6 = s_enc * kOneSixth, s_dec_global = 1.0f / s_enc;
   for (int64_t b = 0; b < n; ++b) {
-    s_dec[b] = decode_scale(amax[b], s_enc_6);
-    mult[b] = encode_multiplier(s_dec[b], s_dec_global);
+    s_dec[b] = nvfp4_decode_scale(amax[b], s_enc_6);
+    mult[b] = nvfp4_encode_multiplier(s_dec[b], s_dec_global);
   }
 }
 
@@ -207,33 +164,6 @@ void spread(const float* block_mult, int64_t blocks, float* mult) {
 
 // ---- Pass 2: codes ---------------------------------------------------------------------
 
-// E2M1 magnitude code of a scaled magnitude, rounded to nearest with ties to the even code
-// (the midpoints of _MIDPOINTS; >= where a tie rounds up); NaN gives 0. Comparisons
-// summed, not a search: it vectorises.
-inline uint8_t nearest_code(float s) {
-  return static_cast<uint8_t>((s > 0.25f) + (s >= 0.75f) + (s > 1.25f) + (s >= 1.75f) +
-                              (s > 2.5f) + (s >= 3.5f) + (s > 5.0f));
-}
-
-// _round_stochastic for one scaled magnitude and its draw: to the grid value below plus
-// one step when the draw is below the fraction of a step (all exact in FP32).
-inline uint8_t stochastic_code(float s, float draw) {
-  const float clamped = std::min(s, kE2M1Max);  // NaN stays NaN
-  const float step = clamped >= 4.0f ? 2.0f : (clamped >= 2.0f ? 1.0f : 0.5f);
-  const float units = clamped / step;
-  float lower = std::floor(units);
-  lower += (draw < units - lower) ? 1.0f : 0.0f;
-  return nearest_code(lower * step);
-}
-
-// The signed code of x under the block multiplier: bit 3 for x < 0 (NaN and -0.0: +0).
-template <bool Stochastic>
-inline uint8_t code_of(float x, float multiplier, float draw) {
-  const float s = std::fabs(x) * multiplier;
-  const uint8_t code = Stochastic ? stochastic_code(s, draw) : nearest_code(s);
-  return static_cast<uint8_t>(code | (x < 0.0f ? 8 : 0));
-}
-
 // The signed codes of one row segment: out[c] = code of x[c] under mult[c] (the
 // multiplier of its block, spread over the block's elements, so the loop runs the whole
 // row at full vector width). Stochastic draws at rand[c * rand_stride].
@@ -243,7 +173,7 @@ FASTCAST_HOT void row_codes(const T* __restrict x, const float* __restrict mult,
                                   uint8_t* __restrict out) {
   for (int64_t c = 0; c < n; ++c) {
     const float draw = Stochastic ? rand[c * rand_stride] : 0.0f;
-    out[c] = code_of<Stochastic>(static_cast<float>(x[c]), mult[c], draw);
+    out[c] = e2m1_code<Stochastic>(static_cast<float>(x[c]), mult[c], draw);
   }
 }
 
@@ -331,7 +261,7 @@ void all_codes(const T* x, const Job& job, float s_enc) {
 template <typename T>
 float quantize_typed(const at::Tensor& input, const Job& job, bool stochastic) {
   const T* x = input.const_data_ptr<T>();
-  const float s_enc = encode_scale(block_amaxes(x, job));
+  const float s_enc = nvfp4_encode_scale(block_amaxes(x, job));
   if (stochastic)
     all_codes<T, true>(x, job, s_enc);
   else

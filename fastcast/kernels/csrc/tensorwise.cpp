@@ -189,10 +189,6 @@ std::tuple<at::Tensor, at::Tensor> quantize_recording(const at::Tensor& input,
   return {data, scale_inv};
 }
 
-// max() that keeps a NaN from either side, as torch.amax does (`v > a` is false for a
-// NaN on either side, so only `v != v` takes one in). Branch-free: it vectorises.
-inline float nan_max(float a, float v) { return (v > a || v != v) ? v : a; }
-
 // A multiple of `cols` of at least 64: loops over that many consecutive elements of a
 // [rows, cols] history vectorise whatever its width (a slab of one module is one or two
 // columns wide, and a row-by-row loop over so few elements does not).
@@ -253,14 +249,9 @@ void delayed_update(const at::Tensor& history, const at::Tensor& scale, double t
     }
     for (int64_t p = 0; p < period; ++p) amax[p % cols] = nan_max(amax[p % cols], partial[p]);
   }
-  for (int64_t j = 0; j < cols; ++j) {
-    // nan_to_num(nan=0, posinf=0): only a finite amax > 0 makes a scale.
-    if (ran[j] && std::isfinite(amax[j]) && amax[j] > 0) {
-      float next = t / std::max(amax[j], lo);
-      if (min_scale > 0) next = std::max(next, least);
-      s[j] = next;
-    }
-  }
+  // element.h: only a finite amax > 0 makes a scale (nan_to_num(nan=0, posinf=0)).
+  for (int64_t j = 0; j < cols; ++j)
+    if (ran[j]) s[j] = delayed_scale(amax[j], s[j], t, lo, least);
   if (rows > 1) {
     // Rows 1..L-2 take the row below them, the last row the recorded amax, in the
     // columns that recorded (row 0 would take row 1, but is zeroed below).

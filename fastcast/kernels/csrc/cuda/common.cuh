@@ -10,7 +10,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cuda_fp16.h>
 
 #include <atomic>
 #include <cstdint>
@@ -50,7 +49,7 @@ struct F16 {
   using Raw = uint16_t;
   static constexpr uint32_t kInfMagnitude = 0x7C00u;
   static __device__ __forceinline__ float widen(uint16_t v) {
-    return __half2float(__ushort_as_half(v));  // exact: every FP16 value is an FP32 value
+    return half_to_float(v);  // exact, and a NaN keeps its sign (unlike __half2float)
   }
   static __device__ __forceinline__ uint32_t magnitude(uint16_t v) { return magnitude_16(v); }
   static __device__ __forceinline__ float from_magnitude(uint32_t m) {
