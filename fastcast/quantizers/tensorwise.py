@@ -170,7 +170,10 @@ class DelayedScalingQuantizer:
             # The views are one-element FP32 tensors, the slot on the scale's device: only
             # the scale's side of the CPU/GPU divide needs a look per call.
             op = fused_op("quantize_recording", x) if scale.is_cpu == x.is_cpu else None
-            if op is not None:  # one pass over x
+            # The recording cast writes row-wise codes only. Where a CUDA caller wants the
+            # column-wise layout too, the amax pass and the tiled cast of both layouts
+            # below cost less than transposing the codes afterwards.
+            if op is not None and not (columnwise and x.is_cuda):  # one pass over x
                 data, scale_inv = op(x, scale, slot, FP8_DTYPES[self.fmt])
                 return _float8(x, self.fmt, data, scale_inv, rowwise, columnwise)
             record_amax(slot, x)

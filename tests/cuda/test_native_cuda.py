@@ -404,3 +404,27 @@ def test_per_tensor_quantizers_take_both_layouts_from_the_kernel(ops, shape, dty
     )
     assert only_columns.data is None
     assert_same(only_columns.data_t, pairs[0][0].data_t.contiguous(), "columns only")
+
+
+def test_delayed_quantizer_records_and_writes_both_layouts(ops):
+    """Delayed scaling's quantizer on CUDA asked for both layouts (its amax pass, then the
+    tiled cast) records the amax and writes the codes the CPU does."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from fastcast.quantizers.tensorwise import DelayedScalingQuantizer  # noqa: PLC0415
+
+    torch.manual_seed(1)
+    x = (torch.randn(96, 160) * 5).bfloat16()
+    results = []
+    for device in ("cpu", "cuda"):
+        meta = SimpleNamespace(
+            scale_views=[torch.full((1,), 2.5, device=device)],
+            amax_slots=[torch.full((1,), 1.0, device=device)],
+        )
+        q = DelayedScalingQuantizer(meta, 0).quantize(x.to(device), columnwise=True)
+        results.append((q, meta.amax_slots[0]))
+    (want, want_slot), (got, got_slot) = results
+    assert_same(got.data, want.data, "data")
+    assert_same(got.data_t, want.data_t.contiguous(), "data_t")
+    assert_same(got.scale_inv, want.scale_inv, "scale_inv")
+    assert_same(got_slot, want_slot, "recorded amax")
