@@ -103,6 +103,9 @@ def tests_block(data: list[dict[str, Any]]) -> list[str]:
         if result:
             counts = result.get("counts", {})
             note = "stopped at its time limit; " if "incomplete" in counts else ""
+            if name == "pytest_gpu":  # what was run (a rerun may narrow it to some files)
+                args = result.get("command", "").replace("-m pytest ", "").split(" -q")[0]
+                what = f"`pytest {args}`" if args else what
             rows.append(
                 [
                     what,
