@@ -115,31 +115,6 @@ def mark_ran(frame: AutocastFrame) -> None:
     frame.ran = True
 
 
-# Whether fastcast's tracing ranges are on (fastcast.profiling: enable/disable set it).
-ranges_on = False
-
-# The observer of quantized layer calls: ``observer(module, frame, plan) -> plan``, called
-# by ``fastcast.nn.linear.plan_for`` in eager code with the plan a call is about to run,
-# and returning the plan it runs (fc.inspect stands its recording quantizers in). None
-# while none is attached: the hot path then pays one test.
-layer_observer: Any = None
-
-
-def attach_layer_observer(observer: Any) -> None:
-    """Attach ``observer`` (one at a time: a RuntimeError while another is attached)."""
-    global layer_observer
-    if layer_observer is not None:
-        raise RuntimeError("fastcast: another layer observer is attached (an inspection is on)")
-    layer_observer = observer
-
-
-def detach_layer_observer(observer: Any) -> None:
-    """Detach ``observer`` if it is the attached one."""
-    global layer_observer
-    if layer_observer is observer:
-        layer_observer = None
-
-
 def outermost_active(stack: Stack) -> Stack | None:
     """The node of ``stack`` whose frame is its outermost active level (None: none is):
     one per entry of that level, so the identity of one step of the code that entered it."""
@@ -151,9 +126,31 @@ def outermost_active(stack: Stack) -> Stack | None:
     return outer
 
 
-# Whether fc.autocast still has to warn that an enabled autocast saw no fastcast layer
-# run (once per process; autocast.py).
-unused_autocast_warning_due = True
+class AutocastState:
+    """What ``fc.autocast`` keeps process-wide and reads on every call, in Python and in C
+    (one struct: the C side reads these slots at the offsets ``autocast.native_contract()``
+    hands it, and holds the two sets, which are never rebound).
+
+    - ``warning_due``: an enabled autocast that saw no fastcast layer run still has to be
+      warned about (once per process).
+    - ``stateful_threads``: how many live thread states hold a stateful scheme's state;
+      while none does (stateless recipes only), the exit skips the per-thread look-up.
+      Counted up when a thread state first holds one, down when it is freed, under a lock.
+    - ``runnable``: recipe types that passed the support check on this machine (a memo of
+      a fixed fact, emptied when the hardware answers are refreshed).
+    - ``recipe_types``: recipe types constructors have seen (the argument check's fast path).
+    """
+
+    __slots__ = ("warning_due", "stateful_threads", "runnable", "recipe_types")
+
+    def __init__(self) -> None:
+        self.warning_due = True
+        self.stateful_threads = 0
+        self.runnable: set[type] = set()
+        self.recipe_types: set[type] = set()
+
+
+autocast_state = AutocastState()
 
 
 class _CompiledView:
@@ -290,26 +287,19 @@ class ThreadState:
 
 
 _threads = threading.local()
-# How many live thread states hold a stateful scheme's state: while none does (stateless
-# recipes only), autocast's exit skips the per-thread look-up altogether. Counted up
-# when a thread state first holds one, down when that thread state is freed (its thread
-# ended), under a lock (``+=`` on a global is not atomic across threads).
-stateful_threads = 0
-_stateful_lock = threading.Lock()
+_stateful_lock = threading.Lock()  # ``+=`` on an attribute is not atomic across threads
 
 
 def note_stateful_thread(ts: ThreadState) -> None:
     """Called once per thread state when a stateful scheme first keeps state in it."""
-    global stateful_threads
     with _stateful_lock:
-        stateful_threads += 1
+        autocast_state.stateful_threads += 1
     weakref.finalize(ts, _forget_stateful_thread)
 
 
 def _forget_stateful_thread() -> None:
-    global stateful_threads
     with _stateful_lock:
-        stateful_threads -= 1
+        autocast_state.stateful_threads -= 1
 
 
 def thread_state() -> ThreadState:
