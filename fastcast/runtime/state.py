@@ -1,16 +1,8 @@
-"""The state manager: autocast frames per context, stateful schemes' state per thread.
+"""The state manager: fastcast's only process-wide and per-context state.
 
-Autocast state follows Python's ``contextvars``, as ``decimal`` contexts do: the stack of
-active frames is a linked list ``[frame, below, token]`` held in a context variable.
-So each thread, and each asyncio task, has its own stack; ``asyncio.to_thread`` and
-``contextvars.copy_context().run`` see the stack of the code that called them, and what
-they enter never leaks back. Generators share their caller's context: one that holds an
-autocast across a ``yield`` lends it to whatever runs until it resumes (as with
-``torch.autocast``), and exits out of order are detected and refused.
-
-What stateful schemes keep (delayed scaling's slabs) is per thread. Whatever backward
-needs is captured by the module at forward time, because autograd may run backward on
-another thread.
+Invariant: autocast frames live in a context variable (per thread and asyncio task, never
+leaking back from ``to_thread`` or ``copy_context().run``); stateful schemes' state lives
+per thread, and backward reads only what the module captured at forward time.
 """
 
 from __future__ import annotations
@@ -82,10 +74,9 @@ class AutocastFrame:
 
 OUTSIDE = AutocastFrame(enabled=False, recipe=None)
 
-# A stack of frames: the list ``[innermost frame, the stack below it, the token of the
-# context-variable set that pushed it]``, never changed once entered (a list only because
-# the token exists after the set); ``None`` below the bottom. Exiting resets the token:
-# the previous stack comes back, and a token from another context is refused.
+# A stack: ``[innermost frame, the stack below (None at the bottom), the token of the set
+# that pushed it]``, never changed once entered. Exiting resets the token (the previous
+# stack comes back; a token from another context is refused).
 Stack = list  # [AutocastFrame, "Stack | None", contextvars.Token | None]
 BOTTOM: Stack = [OUTSIDE, None, None]
 
@@ -153,21 +144,30 @@ class AutocastState:
 autocast_state = AutocastState()
 
 
+class KernelOps:
+    """The quantize operators each device kind resolved to (``kernels/choice.py``): a memo
+    of fixed facts (``FASTCAST_KERNELS``, machine, build); None until first used/refresh."""
+
+    __slots__ = ("cpu", "cuda")
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, Any] | None = None
+        self.cuda: dict[str, Any] | None = None
+
+
+kernel_ops = KernelOps()
+
+
 class _CompiledView:
     """The autocast stack as ``torch.compile``'d code reads it (``fastcast.compile``
     substitutes ``traced_*`` for the accessors above while tracing).
 
     ``context`` is a property whose getter is the context variable's own C ``get``:
-    Dynamo treats it as side-effect free, reads it for real while tracing, and guards on
-    the value it returns, evaluating ``view.context`` again before every call of the
-    compiled code. So compiled code sees the stack of the context that calls it (thread,
-    asyncio task, ``to_thread``, a fresh ``Context``), exactly as eager code does. The
-    getter is called with the view as its default: a context that never set the variable
-    gives the view itself, which stands for ``BOTTOM``.
-
-    ``traced``: the stack an autocast entered in the traced code pushed (None: none). Only
-    traced code writes it; Dynamo replays the last write after the graph, which is None
-    again once the traced autocasts have exited.
+    Dynamo reads it for real while tracing and guards on its value, so compiled code sees
+    the stack of the context that calls it, as eager code does. A context that never set
+    the variable gives the view itself (the getter's default), standing for ``BOTTOM``.
+    ``traced``: the stack an autocast entered in traced code pushed (None: none); Dynamo
+    replays the last write after the graph, None again once traced autocasts exited.
     """
 
     context = property(_stack.get)
@@ -214,9 +214,9 @@ class UnsafeExtraState:
     exit closes *its* permission, wherever it runs: a generator that holds the block
     across a ``yield`` and is closed from another context (or thread) still takes the
     permission back from the context that entered it, whose chain keeps only a closed
-    entry. The instance keeps its open permissions
-    (it may be entered again while active, or in several contexts): an exit closes the
-    innermost one this context sees, else the instance's most recent.
+    entry. The instance keeps its open permissions (it may be entered again while active,
+    or in several contexts): an exit closes the innermost one this context sees, else
+    the instance's most recent.
     """
 
     __slots__ = ("_open",)
