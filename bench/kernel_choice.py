@@ -45,7 +45,7 @@ def with_mode(mode: str, quantizer: CurrentScalingQuantizer) -> Callable:
     del os.environ["FASTCAST_KERNELS"]
 
     def run(x: torch.Tensor) -> object:
-        choice._ops.cpu = forced
+        choice._cpu_ops = forced
         return quantizer.quantize(x)
 
     return run

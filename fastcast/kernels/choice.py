@@ -33,15 +33,17 @@ from typing import Any
 
 import torch
 
-from ..runtime.state import kernel_ops
 from . import build
 
 MODES = ("auto", "fused", "compiled", "reference")
 TRITON_CAPABILITY = (7, 0)  # the oldest GPUs Triton compiles for
 
 # The operators by name for CPU and for CUDA tensors once resolved ({} where the
-# reference runs): the state manager's memo (state.KernelOps).
-_ops = kernel_ops
+# reference runs), or None before the first quantize that could use them: a pure memo of
+# fixed facts (FASTCAST_KERNELS, the machine, the build), forgotten by refresh(). Kept
+# here, not in the state manager: runtime imports kernels, so kernels may not import it.
+_cpu_ops: dict[str, Any] | None = None
+_cuda_ops: dict[str, Any] | None = None
 
 
 def kernels_mode() -> str:
@@ -56,11 +58,11 @@ def fused_op(name: str, x: torch.Tensor) -> Any:
     """The fused operator ``name`` (one of ``build.OPS``) for ``x``, or None: the
     reference runs."""
     if x.is_cpu:
-        ops = _ops.cpu
+        ops = _cpu_ops
         if ops is None:
             ops = _resolve_cpu()
     elif x.is_cuda:
-        ops = _ops.cuda
+        ops = _cuda_ops
         if ops is None:
             ops = _resolve_cuda()
     else:
@@ -85,10 +87,12 @@ def refresh() -> None:
     """Choose again on the next quantize (after changing ``FASTCAST_KERNELS``). Part of
     ``fastcast.runtime.hardware.refresh()``, which forgets every environment-derived answer
     (this module sits below ``hardware`` and cannot call it)."""
-    _ops.cpu = _ops.cuda = None
+    global _cpu_ops, _cuda_ops
+    _cpu_ops = _cuda_ops = None
 
 
 def _resolve_cpu() -> dict[str, Any]:
+    global _cpu_ops
     mode = kernels_mode()
     if mode == "compiled":
         ops = _compiled_ops()
@@ -96,11 +100,12 @@ def _resolve_cpu() -> dict[str, Any]:
         ops = {}
     else:
         ops = _cpp_ops(required=mode == "fused")
-    _ops.cpu = ops
+    _cpu_ops = ops
     return ops
 
 
 def _resolve_cuda() -> dict[str, Any]:
+    global _cuda_ops
     mode = kernels_mode()
     ops: dict[str, Any] = {}
     if mode != "reference":
@@ -122,7 +127,7 @@ def _resolve_cuda() -> dict[str, Any]:
                 stacklevel=4,
             )
         ops = {**compiled, **native}
-    _ops.cuda = ops
+    _cuda_ops = ops
     return ops
 
 

@@ -144,20 +144,6 @@ class AutocastState:
 autocast_state = AutocastState()
 
 
-class KernelOps:
-    """The quantize operators each device kind resolved to (``kernels/choice.py``): a memo
-    of fixed facts (``FASTCAST_KERNELS``, machine, build); None until first used/refresh."""
-
-    __slots__ = ("cpu", "cuda")
-
-    def __init__(self) -> None:
-        self.cpu: dict[str, Any] | None = None
-        self.cuda: dict[str, Any] | None = None
-
-
-kernel_ops = KernelOps()
-
-
 class _CompiledView:
     """The autocast stack as ``torch.compile``'d code reads it (``fastcast.compile``
     substitutes ``traced_*`` for the accessors above while tracing).

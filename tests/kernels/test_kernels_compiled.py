@@ -348,7 +348,7 @@ def test_cuda_choice_without_triton(monkeypatch, modes):
     modes("auto")
     with pytest.warns(RuntimeWarning, match="no triton here"):
         assert choice._resolve_cuda() == {}
-    assert choice._ops.cuda == {}  # kept: later CUDA quantizes neither ask nor warn again
+    assert choice._cuda_ops == {}  # kept: later CUDA quantizes neither ask nor warn again
     for mode in ("fused", "compiled"):
         modes(mode)
         with pytest.raises(RuntimeError, match=f"FASTCAST_KERNELS={mode}.*no triton here"):
