@@ -14,7 +14,8 @@ nothing of fastcast is imported.
   ``sys.modules``, and an assignment of a loader's or a layer's method (``exec_module``,
   ``forward``, ``__enter__``...) on an object that is not ``self``;
 - ``import_cycles``: strongly connected groups of modules (module-level and in-function
-  imports alike), and of ``fastcast``'s top-level packages;
+  imports alike, ``if TYPE_CHECKING:`` left out), and of ``fastcast``'s top-level
+  packages (``package_import_cycles``: ``nn`` and ``distributed`` importing each other);
 - ``files_over_400_lines`` and ``longest_module_docstring`` (lines).
 """
 
@@ -133,8 +134,18 @@ def _import_edges(package: Path) -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        skipped = {  # imports under ``if TYPE_CHECKING:`` never run
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for child in node.body
+            for inner in ast.walk(child)
+        }
+        for node in ast.walk(tree):
             found: list[str] = []
+            if id(node) in skipped:
+                continue
             if isinstance(node, ast.Import):
                 found = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
