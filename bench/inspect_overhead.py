@@ -75,14 +75,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             insp.stop()
 
     from fastcast.nn import linear  # noqa: PLC0415 - what an inspection must leave as it was
-    from fastcast.runtime import state  # noqa: PLC0415 - where its observer is attached
+    from fastcast.runtime import observers  # noqa: PLC0415 - where its observer is attached
 
     _loop(layer, x, recipe, 20)  # warm-up: plans, kernels
     originals = (
         linear.plan_for,
         fc.autocast.__dict__["__enter__"],
         layer._plan.input_q,
-        state.layer_observer,
+        tuple(observers.attached),
     )
     times: dict[str, list[float]] = {"never": [], "off": [], "skipped": [], "sampled": []}
     # Phase 1: no inspection has existed in this process yet.
@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         linear.plan_for,
         fc.autocast.__dict__["__enter__"],
         layer._plan.input_q,
-        state.layer_observer,
+        tuple(observers.attached),
     )
     # Phase 2: off again (the same code as phase 1, if stop() put everything back), and
     # inspections on, interleaved round by round.
@@ -110,8 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     print(f"fc.Linear fwd+bwd [{SIZE}x{SIZE}], current scaling, median of {args.rounds} rounds")
     print(
-        "  after stop(): plan_for, autocast.__enter__, the quantizers and the (absent) layer "
-        f"observer are as before: {restored}"
+        "  after stop(): plan_for, autocast.__enter__, the quantizers and the (empty) observer "
+        f"list are as before: {restored}"
     )
     for name, label in labels.items():
         median = statistics.median(times[name])

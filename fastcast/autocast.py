@@ -7,19 +7,22 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .profiling import annotate
 from .recipe import Recipe
-from .runtime import state as _state
 from .runtime.hardware import default_device_type, on_refresh
+from .runtime.observers import attached as _observers
+from .runtime.observers import begin as _begin
+from .runtime.observers import end as _end
 from .runtime.state import (
     AutocastFrame,
     Stack,
+    autocast_state,
     frames,
     get_stack,
     reset_stack,
     set_stack,
     thread_state,
 )
+from .runtime.state import _stack as _state_stack
 from .schemes import default_recipe, scheme_for
 
 try:  # built by the install (setup.py) where a C compiler is; optional
@@ -29,12 +32,10 @@ except ImportError:  # the Python methods below run instead: the same semantics
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Recipe types that passed the support check on this machine (a cache of a fixed fact,
-# emptied when the capability answers are refreshed), and the recipe types constructors
-# have seen (the fast path of the argument check; a fixed fact too).
-_runnable: set[type] = set()
+# The state manager's sets (see state.AutocastState), bound once: never rebound there.
+_runnable = autocast_state.runnable
 on_refresh(_runnable.clear)
-_recipe_types: set[type] = set()
+_recipe_types = autocast_state.recipe_types
 
 _NOT_HERE = (
     "fc.autocast: exiting an autocast that is not active here (it already exited, or it "
@@ -76,7 +77,7 @@ def _ran_nothing(below: Stack, stacklevel: int = 3) -> None:
     ``stacklevel``: of the user's ``with`` line (the C ``__exit__`` has no frame)."""
     if any(frame.enabled for frame in frames(below)):
         return  # an enabled level below decides when it exits
-    _state.unused_autocast_warning_due = False  # once per process: one cause, one warning
+    autocast_state.warning_due = False  # once per process: one cause, one warning
     warnings.warn(
         "fc.autocast was enabled but no fastcast layer ran inside it, so nothing ran in "
         "FP8/FP4: convert the model first (model = fc.convert(model)), or check that the "
@@ -142,36 +143,44 @@ class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
         self.group = amax_reduction_group
         self.ran = False
 
-    @annotate("fastcast.autocast.enter")
     def __enter__(self) -> autocast:
-        below = get_stack()
-        if self.recipe.__class__ not in _runnable:
-            self._check_recipe()
-        if below[1] is not None:  # nested: refuse this instance if it is already below
-            self._refuse_reentry(below)
-        node = [self, below, None]
-        node[2] = set_stack(node)  # the token that restores ``below`` (see state.Stack)
-        return self
-
-    @annotate("fastcast.autocast.exit")
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        node = get_stack()
-        if node[0] is not self:
-            node = self._exit_out_of_order(node)  # raises once the stack is repaired
+        opened = _begin("fastcast.autocast.enter") if _observers else None  # observer point
         try:
-            reset_stack(node[2])
-        except ValueError:  # the token belongs to another context
-            raise RuntimeError(_NOT_HERE) from None
-        below = node[1]
-        if not self.ran:
-            if self.enabled and _state.unused_autocast_warning_due:
-                _ran_nothing(below)
-        elif below[1] is not None:  # nested: what ran here ran inside the levels below too
-            below[0].ran = True
-        # Stateful schemes (delayed scaling) decide whether this level ends the step. The
-        # stack is already restored, so an error raised here leaves no level active.
-        if _state.stateful_threads:
-            _levels_exited(self, below, exc_type is None)
+            below = get_stack()
+            if self.recipe.__class__ not in _runnable:
+                self._check_recipe()
+            if below[1] is not None:  # nested: refuse this instance if it is already below
+                self._refuse_reentry(below)
+            node = [self, below, None]
+            node[2] = set_stack(node)  # the token that restores ``below`` (see state.Stack)
+            return self
+        finally:
+            if opened is not None:
+                _end(opened)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        opened = _begin("fastcast.autocast.exit") if _observers else None  # observer point
+        try:
+            node = get_stack()
+            if node[0] is not self:
+                node = self._exit_out_of_order(node)  # raises once the stack is repaired
+            try:
+                reset_stack(node[2])
+            except ValueError:  # the token belongs to another context
+                raise RuntimeError(_NOT_HERE) from None
+            below = node[1]
+            if not self.ran:
+                if self.enabled and autocast_state.warning_due:
+                    _ran_nothing(below)
+            elif below[1] is not None:  # nested: what ran here ran inside the levels below
+                below[0].ran = True
+            # Stateful schemes (delayed scaling) decide whether this level ends the step.
+            # The stack is restored already: an error raised here leaves no level active.
+            if autocast_state.stateful_threads:
+                _levels_exited(self, below, exc_type is None)
+        finally:
+            if opened is not None:
+                _end(opened)
 
     def _check_recipe(self) -> None:
         # A recipe type this machine cannot run raises when enabled (a disabled level
@@ -239,10 +248,9 @@ class autocast(AutocastFrame):  # noqa: N801 - lower case like torch.autocast
 class NativeAutocast(autocast):
     """``fc.autocast`` as the usual call makes it: ``__enter__`` and ``__exit__`` in C
     (``fastcast/runtime/_native.c``), step for step the methods of ``autocast`` above,
-    which stay the reference (and run in their place while something replaces them:
-    tracing ranges, ``fc.inspect``). Calling ``fc.autocast`` with the usual arguments
-    builds one of these in C; any other call, ``torch.compile``'s tracing included, builds
-    a plain ``autocast`` through ``__init__``."""
+    which stay the reference (and run in their place while an observer is attached).
+    Calling ``fc.autocast`` with the usual arguments builds one of these in C; any other
+    call, ``torch.compile``'s tracing included, builds a plain ``autocast``."""
 
     __slots__ = ()
     if _native is not None:
@@ -250,16 +258,43 @@ class NativeAutocast(autocast):
         __exit__ = _native.exit
 
 
-if _native is not None:
-    _native.install(
-        autocast,
-        NativeAutocast,
-        _state._stack,
-        default_recipe,
-        _runnable,
-        _recipe_types,
-        vars(_state),
-        _ran_nothing,
-        _levels_exited,
-        _NOT_HERE,
+def native_contract() -> tuple[tuple[str, Any], ...]:
+    """Everything the C methods use, by role, in the order ``_native.ROLES`` names them:
+    objects, never names looked up at run time (slots by their member descriptors, the
+    keyword names from ``autocast.__init__``). ``_native.install`` refuses a table whose
+    roles differ from its own; tests/runtime/test_native_autocast.py checks both sides."""
+    frame, shared = AutocastFrame.__dict__, type(autocast_state).__dict__
+    return (
+        ("class", autocast),
+        ("native", NativeAutocast),
+        ("stack", _state_stack),
+        ("default_recipe", default_recipe),
+        ("shared", autocast_state),
+        ("runnable", autocast_state.runnable),
+        ("recipe_types", autocast_state.recipe_types),
+        ("observers", _observers),
+        ("slot_enabled", frame["enabled"]),
+        ("slot_recipe", frame["recipe"]),
+        ("slot_calibrating", frame["calibrating"]),
+        ("slot_group", frame["group"]),
+        ("slot_ran", frame["ran"]),
+        ("slot_warning_due", shared["warning_due"]),
+        ("slot_stateful_threads", shared["stateful_threads"]),
+        ("keywords", KEYWORDS),
+        ("py_enter", autocast.__dict__["__enter__"]),
+        ("py_exit", autocast.__dict__["__exit__"]),
+        ("check_recipe", autocast._check_recipe),
+        ("refuse_reentry", autocast._refuse_reentry),
+        ("exit_out_of_order", autocast._exit_out_of_order),
+        ("ran_nothing", _ran_nothing),
+        ("levels_exited", _levels_exited),
+        ("not_here", _NOT_HERE),
     )
+
+
+# autocast.__init__'s parameters the C construction takes by keyword: (enabled, recipe,
+# calibrating, amax_reduction_group); the test checks them against the signature.
+KEYWORDS = ("enabled", "recipe", "calibrating", "amax_reduction_group")
+
+if _native is not None:
+    _native.install(native_contract())

@@ -15,9 +15,11 @@ import torch
 
 from .gemm_microscaled import scaled_mm_microscaled
 from .kernels import fused_op
-from .profiling import annotate
 from .reference.tiles import TILE
 from .runtime import hardware
+from .runtime.observers import attached as _observers
+from .runtime.observers import begin as _begin
+from .runtime.observers import end as _end
 from .tensor import MXFP8, NVFP4, WHOLE, QuantizedTensor
 
 BACKENDS = ("hardware", "emulate")
@@ -72,7 +74,6 @@ def operands_product(
     return _product(a, b, out_dtype, bias, None, chosen, device_type)
 
 
-@annotate("fastcast.scaled_mm")
 def _product(
     a: QuantizedTensor,
     b: QuantizedTensor,
@@ -82,22 +83,27 @@ def _product(
     chosen: str,
     device_type: str,
 ) -> torch.Tensor:
-    hardware_path = chosen == "hardware" and runs_kernel(a, b, device_type)
-    gemm = _scaled_mm_hardware if hardware_path else _scaled_mm_emulated
-    if torch.is_autocast_enabled(device_type):
-        # torch.autocast would run the FP32 accumulation and scales in its low dtype.
-        with torch.autocast(device_type, enabled=False):
+    opened = _begin("fastcast.scaled_mm") if _observers else None  # observer point
+    try:
+        hardware_path = chosen == "hardware" and runs_kernel(a, b, device_type)
+        gemm = _scaled_mm_hardware if hardware_path else _scaled_mm_emulated
+        if torch.is_autocast_enabled(device_type):
+            # torch.autocast would run the FP32 accumulation and scales in its low dtype.
+            with torch.autocast(device_type, enabled=False):
+                out = gemm(a, b, out_dtype, bias, accumulate)
+        else:
             out = gemm(a, b, out_dtype, bias, accumulate)
-    else:
-        out = gemm(a, b, out_dtype, bias, accumulate)
-    if len(a.shape) != 2 and accumulate is None:
-        # Reshape the fresh contiguous product in place rather than return a view: an
-        # autograd Function's view output would forbid in-place ops after the layer
-        # (y += residual, ReLU(inplace=True)) that nn.Linear's output allows.
-        shape = (*a.shape[:-1], b.shape[0])
-        # (Dynamo cannot trace resize_; a compiled graph has no such view restriction.)
-        out = out.reshape(shape) if torch.compiler.is_compiling() else out.resize_(*shape)
-    return out
+        if len(a.shape) != 2 and accumulate is None:
+            # Reshape the fresh contiguous product in place rather than return a view: an
+            # autograd Function's view output would forbid in-place ops after the layer
+            # (y += residual, ReLU(inplace=True)) that nn.Linear's output allows.
+            shape = (*a.shape[:-1], b.shape[0])
+            # (Dynamo cannot trace resize_; a compiled graph has no such view restriction.)
+            out = out.reshape(shape) if torch.compiler.is_compiling() else out.resize_(*shape)
+        return out
+    finally:
+        if opened is not None:
+            _end(opened)
 
 
 def _check_operands(a: QuantizedTensor, b: QuantizedTensor) -> tuple[str, str]:

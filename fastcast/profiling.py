@@ -1,189 +1,170 @@
 """Tracing ranges: NVTX (nsys) and ``torch.profiler`` scopes, free when off.
 
-A handful of functions are marked with ``@annotate(name)``: autocast enter and exit,
-Linear forward and backward, the quantizers, the scaled GEMM and the delayed-scaling
-amax update. ``annotate`` returns the function itself, so while tracing is off nothing
-runs per call: there is no flag to test.
-
-``enable()`` (or ``FASTCAST_NVTX=1`` in the environment at import) replaces each marked
-function where it is defined (its class's attribute, or its module's, found from its
-qualified name; nothing else is touched) by a wrapper that runs it inside an NVTX range
-of the domain ``fastcast`` *and* a ``torch.profiler`` ``record_function`` scope of the
-same name; ``disable()`` puts the originals back. The switch itself is the state
-manager's (``state.ranges_on``). Call it before the modules run: a reference taken
-earlier (``from fastcast.gemm import scaled_mm`` in user code) keeps the original.
-
-Linear ranges name their module: ``fastcast.Linear.forward[blocks.0.fc1]`` and the same
-for its backward, with the qualified name ``fc.convert`` recorded (``_fc_name``).
-Under ``torch.compile`` tracing the wrappers call straight through (the compiled graph
-has no Python ranges to keep).
+``enable()`` (or ``FASTCAST_NVTX=1`` at import) attaches one observer to the state
+manager's observer points (``fastcast.runtime.observers``); ``disable()`` detaches it.
+Nothing is replaced: each point costs one test of an empty list while no observer is
+attached. Ranges, in the domain ``fastcast``: ``RANGES`` below. The ``fc.Linear`` ranges
+name their module (``fastcast.Linear.forward[blocks.0.fc1]``, the qualified name
+``fc.convert`` recorded) and come from torch's public module and autograd-node hooks,
+registered only while tracing is on. Under ``torch.compile`` tracing no range is opened.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-import sys
-from collections.abc import Callable
-from typing import Any, TypeVar
+import threading
+from typing import Any
 
-from .runtime import state as _state
+import torch
 
-F = TypeVar("F", bound=Callable[..., Any])
+from .nn.linear import Linear
+from .runtime import observers
 
 DOMAIN = "fastcast"
 # Set when FASTCAST_NVTX=1 at import: fastcast/__init__.py then calls enable().
 ENV_ENABLED = os.environ.get("FASTCAST_NVTX", "0").strip() not in ("", "0", "false", "False")
 
-# The marked functions, by id: original -> (name, instance attribute naming the range).
-# A registry filled as the modules defining them are imported; an entry never changes.
-_MARKED: dict[int, tuple[Callable[..., Any], str, str | None]] = {}
-
-
-def annotate(name: str, instance_name: str | None = None) -> Callable[[F], F]:
-    """Decorator: mark ``fn`` as the range ``name``; returns ``fn`` itself while off.
-
-    ``instance_name``: an attribute of the first argument (``self``, or an autograd
-    ``ctx``) whose value, when set, qualifies the range: ``name[value]``. The wrapper of a
-    call whose result came out of an autograd Function stores that value on the
-    Function's node too, so its backward (marked with the same attribute) is named alike.
-    """
-
-    def mark(fn: F) -> F:
-        _MARKED[id(fn)] = (fn, name, instance_name)
-        return _traced(fn, name, instance_name) if _state.ranges_on else fn  # type: ignore[return-value]
-
-    return mark
+# Every range a trace can hold (the observer points that open them: autocast.py, the
+# quantizers, gemm.py, schemes/delayed/owners.py; the Linear ranges come from hooks).
+RANGES = (
+    "fastcast.autocast.enter",
+    "fastcast.autocast.exit",
+    "fastcast.Linear.forward",
+    "fastcast.Linear.backward",
+    "fastcast.quantize.tensorwise",
+    "fastcast.quantize.rowwise",
+    "fastcast.quantize.block",
+    "fastcast.quantize.mxfp8",
+    "fastcast.quantize.nvfp4",
+    "fastcast.scaled_mm",
+    "fastcast.amax_update",
+)
 
 
 def is_enabled() -> bool:
-    """Whether the marked functions are wrapped in ranges now."""
-    return _state.ranges_on
+    """Whether the ranges are on."""
+    return _attached() is not None
 
 
 def enable() -> None:
-    """Wrap every marked function in an NVTX range and a ``record_function`` scope."""
-    if not _state.ranges_on:
-        _state.ranges_on = True
-        _rebind(lambda fn, name, instance_name: _traced(fn, name, instance_name))
+    """Open an NVTX range and a ``record_function`` scope at every observer point."""
+    if _attached() is None:
+        ranges = Ranges()
+        observers.attach(ranges)
+        ranges.hook_modules()
 
 
 def disable() -> None:
-    """Put the original functions back: no range costs anything any more."""
-    if _state.ranges_on:
-        _state.ranges_on = False
-        _rebind(lambda fn, name, instance_name: fn)
+    """Detach the ranges: no point costs more than its test any more."""
+    ranges = _attached()
+    if ranges is not None:
+        observers.detach(ranges)
+        ranges.unhook_modules()
 
 
 def marked_names() -> list[str]:
-    """The range names (without module qualifiers), sorted: what a trace can contain."""
-    return sorted({name for _, name, _ in _MARKED.values()})
+    """The range names, sorted: what a trace can contain."""
+    return sorted(RANGES)
 
 
-# --------------------------------------------------------------------------- rebinding
+def _attached() -> Ranges | None:
+    for observer in observers.attached:
+        if type(observer) is Ranges:
+            return observer
+    return None
 
 
-def _rebind(make: Callable[..., Any]) -> None:
-    """Set each marked function's definition site to ``make(fn, name, instance_name)``."""
-    for fn, name, instance_name in _MARKED.values():
-        site = _definition_site(fn)
-        if site is None:
-            continue
-        owner, attr = site
-        held = vars(owner).get(attr)
-        wrapper = type(held) if isinstance(held, (staticmethod, classmethod)) else None
-        func = held.__func__ if wrapper else held
-        if func is not fn and getattr(func, "_fc_original", None) is not fn:
-            continue  # the site holds something else now (a test's stand-in, say)
-        new = make(fn, name, instance_name)
-        setattr(owner, attr, wrapper(new) if wrapper else new)
+class Ranges(observers.Observer):
+    """The observer ``enable()`` attaches: NVTX + ``record_function`` per range."""
 
+    def __init__(self) -> None:
+        self.nvtx: dict[str, Any] = {}  # "": the domain; label -> its event attributes
+        self.handles: list[Any] = []  # the module hooks, removed by unhook_modules
+        self.open = threading.local()  # per thread: the tokens of open Linear forwards
 
-def _definition_site(fn: Any) -> tuple[Any, str] | None:
-    """``(class or module, attribute)`` where ``fn`` is defined, from its qualified name;
-    None for a function defined inside another (nothing holds it by name)."""
-    *path, attr = fn.__qualname__.split(".")
-    owner = sys.modules.get(fn.__module__)
-    for part in path:
-        owner = None if part == "<locals>" else getattr(owner, part, None)
-        if owner is None:
+    # -- the observer points -------------------------------------------------------------
+    def range_begin(self, name: str) -> Any:
+        if torch.compiler.is_compiling():
             return None
-    return owner, attr
+        self._push(name)
+        if not torch._C._autograd._profiler_enabled():
+            return True  # a record_function costs ~8 µs even with no profiler to see it
+        scope = torch.autograd.profiler.record_function(name)
+        scope.__enter__()
+        return scope
+
+    def range_end(self, token: Any) -> None:
+        if token is None:
+            return
+        if token is not True:
+            token.__exit__(None, None, None)
+        self._pop()
+
+    # -- fc.Linear: torch's module hooks and autograd-node hooks ---------------------------
+    def hook_modules(self) -> None:
+        hooks = torch.nn.modules.module
+        self.handles = [
+            hooks.register_module_forward_pre_hook(self._forward_begin),
+            hooks.register_module_forward_hook(self._forward_end, always_call=True),
+        ]
+
+    def unhook_modules(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _forward_begin(self, module: Any, args: Any) -> None:
+        if isinstance(module, Linear):
+            stack = self.open.__dict__.setdefault("stack", [])
+            stack.append(self.range_begin(_label("fastcast.Linear.forward", module)))
+
+    def _forward_end(self, module: Any, args: Any, out: Any) -> None:
+        if not isinstance(module, Linear):
+            return
+        stack = self.open.__dict__.get("stack")
+        if stack:
+            self.range_end(stack.pop())
+        if not torch.compiler.is_compiling():
+            node = _function_node(out)
+            if node is not None:
+                label = _label("fastcast.Linear.backward", module)
+                opened: list[Any] = []
+                node.register_prehook(lambda grads: opened.append(self.range_begin(label)))
+                node.register_hook(lambda grads_in, grads_out: self.range_end(opened.pop()))
+
+    # -- NVTX ----------------------------------------------------------------------------
+    def _push(self, label: str) -> None:
+        attributes = self.nvtx.get(label)
+        if attributes is None:
+            attributes = self.nvtx[label] = self._domain().get_event_attributes(message=label)
+        self.nvtx[""].push_range(attributes)
+
+    def _pop(self) -> None:
+        self.nvtx[""].pop_range()
+
+    def _domain(self) -> Any:
+        domain = self.nvtx.get("")
+        if domain is None:
+            import nvtx  # noqa: PLC0415 - a third-party package, only needed when tracing
+
+            domain = self.nvtx[""] = nvtx.get_domain(DOMAIN)
+        return domain
 
 
-# --------------------------------------------------------------------------- the wrapper
+def _label(name: str, module: Any) -> str:
+    qualifier = getattr(module, "_fc_name", None)
+    return f"{name}[{qualifier}]" if qualifier else name
 
 
-def _traced(fn: F, name: str, instance_name: str | None) -> F:
-    import torch  # noqa: PLC0415
-
-    # The closure holds only functions and strings: Dynamo, tracing a compiled caller,
-    # builds a variable for every cell, and cannot for NVTX's objects.
-    compiling = torch.compiler.is_compiling
-    profiling = torch._C._autograd._profiler_enabled  # whether a torch.profiler records
-    record_function = torch.autograd.profiler.record_function
-    push, pop = _nvtx_push, _nvtx_pop
-
-    @functools.wraps(fn)
-    def traced(*args: Any, **kwargs: Any) -> Any:
-        if compiling():
-            return fn(*args, **kwargs)
-        label = name
-        qualifier = getattr(args[0], instance_name, None) if instance_name and args else None
-        if qualifier:
-            label = f"{name}[{qualifier}]"
-        push(label)
-        try:
-            if profiling():  # a record_function costs ~8 µs even with no profiler to see it
-                with record_function(label):
-                    out = fn(*args, **kwargs)
-            else:
-                out = fn(*args, **kwargs)
-        finally:
-            pop()
-        if qualifier:
-            _name_function_node(out, instance_name, qualifier)
-        return out
-
-    traced._fc_original = fn  # type: ignore[attr-defined]
-    return traced  # type: ignore[return-value]
-
-
-# NVTX: the domain (key "") and the attributes of each range name, made once each
-# (immutable facts, process-wide).
-_NVTX: dict[str, Any] = {}
-
-
-def _nvtx_push(label: str) -> None:
-    attributes = _NVTX.get(label)
-    if attributes is None:
-        domain = _nvtx_domain()
-        attributes = _NVTX[label] = domain.get_event_attributes(message=label)
-    _NVTX[""].push_range(attributes)
-
-
-def _nvtx_pop() -> None:
-    _NVTX[""].pop_range()
-
-
-def _nvtx_domain() -> Any:
-    domain = _NVTX.get("")
-    if domain is None:
-        import nvtx  # noqa: PLC0415 - only imported when tracing
-
-        domain = _NVTX[""] = nvtx.get_domain(DOMAIN)
-    return domain
-
-
-def _name_function_node(out: Any, attr: str, value: str) -> None:
-    """Store ``value`` on the autograd Function node that produced ``out`` (a few view
-    nodes deep at most: padded inputs slice the Function's output)."""
+def _function_node(out: Any) -> Any:
+    """The custom autograd Function node that produced ``out`` (a few view nodes deep at
+    most: padded inputs slice the Function's output), or None."""
     node = getattr(out, "grad_fn", None)
     for _ in range(4):
         if node is None:
-            return
-        if hasattr(node, "_forward_cls"):  # a custom autograd Function's node (its ctx)
-            setattr(node, attr, value)
-            return
+            return None
+        if hasattr(node, "_forward_cls"):
+            return node
         following = node.next_functions
         node = following[0][0] if following else None
+    return None

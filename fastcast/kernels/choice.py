@@ -39,8 +39,9 @@ MODES = ("auto", "fused", "compiled", "reference")
 TRITON_CAPABILITY = (7, 0)  # the oldest GPUs Triton compiles for
 
 # The operators by name for CPU and for CUDA tensors once resolved ({} where the
-# reference runs), or None before the first quantize that could use them. Process facts,
-# like the library and the compiled operators.
+# reference runs), or None before the first quantize that could use them: a pure memo of
+# fixed facts (FASTCAST_KERNELS, the machine, the build), forgotten by refresh(). Kept
+# here, not in the state manager: runtime imports kernels, so kernels may not import it.
 _cpu_ops: dict[str, Any] | None = None
 _cuda_ops: dict[str, Any] | None = None
 

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from ..gemm import operands_product
-from ..profiling import annotate
 from ..tensor import QuantizedTensor
 from .weight_cache import WeightCache, quantize_weight
 
@@ -109,7 +108,6 @@ class LinearFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @annotate("fastcast.Linear.backward", instance_name="_fc_name")
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
         saved = ctx.saved_tensors  # (each access unpacks them again under hooks)

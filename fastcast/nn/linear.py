@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import is_dtensor
-from ..profiling import annotate
 from ..quantizers.base import check_input
 from ..recipe import Recipe
-from ..runtime import state as _state
+from ..runtime.observers import attached as _observers
+from ..runtime.observers import observe_plan
 from ..runtime.state import OUTSIDE, AutocastFrame, get_stack, mark_ran
 from ..schemes import ModuleState, Plan, follow_device, reset_module_state, scheme_for
 from ..serialization.extra_state import (
@@ -109,7 +109,6 @@ class Linear(nn.Linear):
         return "fastcast.Linear"
 
     # -- the hot path ---------------------------------------------------------------------
-    @annotate("fastcast.Linear.forward", instance_name="_fc_name")
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         frame = get_stack()[0]
         params = self._parameters  # direct: nn.Module.__getattr__ is a slow fallback
@@ -444,9 +443,8 @@ def plan_for(module: Linear, frame: AutocastFrame, weight: torch.Tensor) -> Plan
     if plan is None or not plan.matches(frame):
         scheme = scheme_for(frame.recipe)
         plan = module._plan = scheme.plan(frame, module._scheme_state, weight.device)
-    observer = _state.layer_observer  # fc.inspect's observer point (None: nothing to call)
-    if observer is not None:
-        return observer(module, frame, plan)
+    if _observers:  # the state manager's observer point (fc.inspect): one test when none
+        return observe_plan(module, frame, plan)
     return plan
 
 

@@ -1,10 +1,10 @@
 """The inspection: which steps are sampled, and the taps that record them.
 
-``Inspector`` attaches one observer to the state manager's layer observer point (which
-``fastcast.nn.linear.plan_for`` calls with each quantized call's plan). Steps belong to
-the model: a call of one of its layers under an outermost active autocast entry it has
-not seen begins the next step, so other models, threads and tasks count none. On a
-sampled step the observer stands a recording quantizer (``_Tap``) in for each of a
+``Inspector`` is an observer of the state manager's observer points
+(``fastcast.runtime.observers``): ``plan_for`` hands it each eager quantized call's
+plan. Steps belong to the model: a call of one of its layers under an outermost active
+autocast entry it has not seen begins the next step, so other models, threads and tasks
+count none. On a sampled step the observer stands a recording quantizer (``_Tap``) in for each of a
 layer's quantizers. Observations stay on the device until ``_flush`` brings them to the
 host and adds them up per (step, layer, operand, layout).
 """
@@ -19,7 +19,7 @@ from torch import nn
 
 from ..nn.linear import Linear
 from ..quantizers.tensorwise import DelayedScalingQuantizer
-from ..runtime import state as _state
+from ..runtime import observers
 from ..runtime.state import get_stack, outermost_active
 from .report import Report, check_threshold
 from .stats import _FIELDS, LAYOUTS, OPERANDS, _derive, _nanmax, layout_stats
@@ -53,7 +53,7 @@ class _Tap:
         return q
 
 
-class Inspector:
+class Inspector(observers.Observer):
     """An inspection of ``model``'s ``fc.Linear`` layers (see the module docstring).
 
     A context manager (``with fc.inspect(model, every=10) as insp: ...``) or a
@@ -98,16 +98,15 @@ class Inspector:
         self._recipes: dict[str, Any] = {}  # layer -> the recipe it ran
         self._pending: list[tuple[tuple, str, torch.Tensor]] = []
         self._acc: dict[tuple, dict[str, Any]] = {}
-        self._observer = self._on_layer  # one bound method: what is attached and detached
 
     # -- on and off ----------------------------------------------------------------------
     def start(self) -> Inspector:
         """Start recording (with ``step="manual"``, step 0 begins now)."""
         if self._active:
             raise RuntimeError("fc.inspect: this inspection is already on")
-        if _state.layer_observer is not None:
+        if any(isinstance(o, Inspector) for o in observers.attached):
             raise RuntimeError("fc.inspect: another inspection is on; stop it first")
-        _state.attach_layer_observer(self._observer)
+        observers.attach(self)
         self._active = True
         if self.step_mode == "manual":
             self._begin(self._step + 1)
@@ -118,7 +117,7 @@ class Inspector:
         if not self._active:
             return
         self._active = False
-        _state.detach_layer_observer(self._observer)
+        observers.detach(self)
         self._set_sampling(False)
         self._last_stack = self._entry = None
         self._flush()
@@ -154,8 +153,8 @@ class Inspector:
         )
 
     # -- steps ---------------------------------------------------------------------------
-    def _on_layer(self, module: Any, frame: Any, plan: Any) -> Any:
-        """The layer observer: ``plan`` as the call runs it (tapped on sampled steps)."""
+    def plan(self, module: Any, frame: Any, plan: Any) -> Any:
+        """The observer point: ``plan`` as the call runs it (tapped on sampled steps)."""
         name = self._names.get(module)
         if name is None or not frame.enabled or torch.compiler.is_compiling():
             return plan  # another model's layer, a calibrating call, a trace

@@ -14,9 +14,11 @@ import torch
 
 from ..formats import FP8_DTYPES
 from ..kernels import fused_op
-from ..profiling import annotate
 from ..reference.cast import as_matrix
 from ..reference.tiles import TILE, quantize_tiles_reference
+from ..runtime.observers import attached as _observers
+from ..runtime.observers import begin as _begin
+from ..runtime.observers import end as _end
 from ..tensor import Float8Tensor
 from .base import check_fp8_format, check_input
 
@@ -111,34 +113,38 @@ class BlockScalingQuantizer:
         """The tile shape ``(rows, cols)`` of the row-wise layout."""
         return (TILE_ROWS[self.block_dim], TILE)
 
-    @annotate("fastcast.quantize.block")
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
     ) -> Float8Tensor:
-        check_input(x)
-        if not (rowwise or columnwise):
-            raise ValueError(f"{type(self).__name__}: ask for rowwise and/or columnwise data")
-        m = as_matrix(x)
-        tile_rows = TILE_ROWS[self.block_dim]
-        args = (self.fmt, self.power_2_scales, self.amax_epsilon)
-        data = scale_inv = data_t = scale_inv_t = None
-        if rowwise or tile_rows == TILE:
-            data, scale_inv = quantize_tiles(m, tile_rows, *args)
-        if columnwise:
-            if tile_rows == TILE:
-                # Square tiles transpose onto themselves.
-                data_t, scale_inv_t = data.t().contiguous(), scale_inv.t().contiguous()
-            else:
-                # Tiles run along R: quantize the transposed matrix.
-                data_t, scale_inv_t = quantize_tiles(m.t(), tile_rows, *args)
-        return Float8Tensor(
-            fmt=self.fmt,
-            shape=x.shape,
-            dtype=x.dtype,
-            data=data.reshape(x.shape) if rowwise else None,
-            scale_inv=scale_inv if rowwise else None,
-            block=self.block,
-            data_t=data_t,
-            scale_inv_t=scale_inv_t,
-            block_t=self.block,
-        )
+        opened = _begin("fastcast.quantize.block") if _observers else None  # observer point
+        try:
+            check_input(x)
+            if not (rowwise or columnwise):
+                raise ValueError(f"{type(self).__name__}: ask for rowwise and/or columnwise data")
+            m = as_matrix(x)
+            tile_rows = TILE_ROWS[self.block_dim]
+            args = (self.fmt, self.power_2_scales, self.amax_epsilon)
+            data = scale_inv = data_t = scale_inv_t = None
+            if rowwise or tile_rows == TILE:
+                data, scale_inv = quantize_tiles(m, tile_rows, *args)
+            if columnwise:
+                if tile_rows == TILE:
+                    # Square tiles transpose onto themselves.
+                    data_t, scale_inv_t = data.t().contiguous(), scale_inv.t().contiguous()
+                else:
+                    # Tiles run along R: quantize the transposed matrix.
+                    data_t, scale_inv_t = quantize_tiles(m.t(), tile_rows, *args)
+            return Float8Tensor(
+                fmt=self.fmt,
+                shape=x.shape,
+                dtype=x.dtype,
+                data=data.reshape(x.shape) if rowwise else None,
+                scale_inv=scale_inv if rowwise else None,
+                block=self.block,
+                data_t=data_t,
+                scale_inv_t=scale_inv_t,
+                block_t=self.block,
+            )
+        finally:
+            if opened is not None:
+                _end(opened)

@@ -14,9 +14,11 @@ import torch
 
 from ..formats import FP8_DTYPES
 from ..kernels import fused_op
-from ..profiling import annotate
 from ..reference.cast import as_matrix
 from ..reference.mx import MX_BLOCK, quantize_blocks_reference
+from ..runtime.observers import attached as _observers
+from ..runtime.observers import begin as _begin
+from ..runtime.observers import end as _end
 from ..tensor import MXFP8Tensor
 from .base import check_fp8_format, check_input
 
@@ -82,40 +84,44 @@ class MXFP8Quantizer:
         if self.scale_rule not in SCALE_RULES:
             raise ValueError(f"{name}: scale_rule must be rceil or ocp, got {self.scale_rule!r}")
 
-    @annotate("fastcast.quantize.mxfp8")
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
     ) -> MXFP8Tensor:
-        check_input(x)
-        if not (rowwise or columnwise):
-            raise ValueError(f"{type(self).__name__}: ask for rowwise and/or columnwise data")
-        m = as_matrix(x)
-        rows, cols = m.shape
-        if cols % MX_BLOCK:
-            raise ValueError(
-                f"MXFP8 needs the last dimension (K={cols}) to be a multiple of {MX_BLOCK}"
+        opened = _begin("fastcast.quantize.mxfp8") if _observers else None  # observer point
+        try:
+            check_input(x)
+            if not (rowwise or columnwise):
+                raise ValueError(f"{type(self).__name__}: ask for rowwise and/or columnwise data")
+            m = as_matrix(x)
+            rows, cols = m.shape
+            if cols % MX_BLOCK:
+                raise ValueError(
+                    f"MXFP8 needs the last dimension (K={cols}) to be a multiple of {MX_BLOCK}"
+                )
+            if columnwise and rows % MX_BLOCK:
+                raise ValueError(
+                    f"MXFP8 column-wise data needs the row count of the [R, K] view "
+                    f"(R={rows}, the product of the leading dimensions) to be a multiple of "
+                    f"{MX_BLOCK}"
+                )
+            data = scale_inv = data_t = scale_inv_t = None
+            if rowwise:
+                data, scale_inv = quantize_blocks(m, self.fmt, self.scale_rule)
+                data = data.reshape(x.shape)
+            if columnwise:
+                # Blocks run along R: quantize the transposed matrix.
+                data_t, scale_inv_t = quantize_blocks(m.t(), self.fmt, self.scale_rule)
+            return MXFP8Tensor(
+                fmt=self.fmt,
+                shape=x.shape,
+                dtype=x.dtype,
+                data=data,
+                scale_inv=scale_inv,
+                block=self.block,
+                data_t=data_t,
+                scale_inv_t=scale_inv_t,
+                block_t=self.block,
             )
-        if columnwise and rows % MX_BLOCK:
-            raise ValueError(
-                f"MXFP8 column-wise data needs the row count of the [R, K] view "
-                f"(R={rows}, the product of the leading dimensions) to be a multiple of "
-                f"{MX_BLOCK}"
-            )
-        data = scale_inv = data_t = scale_inv_t = None
-        if rowwise:
-            data, scale_inv = quantize_blocks(m, self.fmt, self.scale_rule)
-            data = data.reshape(x.shape)
-        if columnwise:
-            # Blocks run along R: quantize the transposed matrix.
-            data_t, scale_inv_t = quantize_blocks(m.t(), self.fmt, self.scale_rule)
-        return MXFP8Tensor(
-            fmt=self.fmt,
-            shape=x.shape,
-            dtype=x.dtype,
-            data=data,
-            scale_inv=scale_inv,
-            block=self.block,
-            data_t=data_t,
-            scale_inv_t=scale_inv_t,
-            block_t=self.block,
-        )
+        finally:
+            if opened is not None:
+                _end(opened)

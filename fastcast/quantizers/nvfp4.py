@@ -49,13 +49,15 @@ from typing import Any, ClassVar
 import torch
 
 from ..kernels import fused_op
-from ..profiling import annotate
 from ..reference import hadamard
 from ..reference.cast import as_matrix
 from ..reference.nvfp4 import (
     BLOCK,
     quantize_reference,
 )
+from ..runtime.observers import attached as _observers
+from ..runtime.observers import begin as _begin
+from ..runtime.observers import end as _end
 from ..tensor import NVFP4Tensor
 from .base import check_input
 
@@ -97,7 +99,6 @@ class NVFP4Quantizer:
                 )
             object.__setattr__(self, "rht", tuple(self.rht))
 
-    @annotate("fastcast.quantize.nvfp4")
     def quantize(
         self,
         x: torch.Tensor,
@@ -110,26 +111,31 @@ class NVFP4Quantizer:
         """``reduce_amax`` max-reduces each tensor scale's amax in place (a shard of a
         tensor split across ranks gets the whole tensor's scale); it runs the reference,
         as the fused operator computes the tensor scale inside."""
-        check_input(x)
-        if not (rowwise or columnwise):
-            raise ValueError("NVFP4Quantizer: ask for rowwise and/or columnwise data")
-        matrix = as_matrix(x)
-        rows, cols = matrix.shape
-        if cols % BLOCK:
-            # K alone: the rows may be fc.Linear's padding of the tokens, not the caller's.
-            raise ValueError(
-                f"NVFP4 needs the last dimension (K={cols}) to be a multiple of {BLOCK}"
-            )
-        if (self.block_2d or columnwise) and rows % BLOCK:
-            why = "16x16 tiles" if self.block_2d else "a column-wise layout"
-            raise ValueError(
-                f"NVFP4 with {why} needs the number of rows (R={rows}, the product of all "
-                f"but the last dimension) to be a multiple of {BLOCK}; got a tensor of "
-                f"shape {tuple(x.shape)}"
-            )
-        if self.rht is not None and columnwise:
-            return self._quantize_transformed(x, matrix, rowwise, generator, reduce_amax)
-        return self._quantize(x, matrix, rowwise, columnwise, generator, reduce_amax)
+        opened = _begin("fastcast.quantize.nvfp4") if _observers else None  # observer point
+        try:
+            check_input(x)
+            if not (rowwise or columnwise):
+                raise ValueError("NVFP4Quantizer: ask for rowwise and/or columnwise data")
+            matrix = as_matrix(x)
+            rows, cols = matrix.shape
+            if cols % BLOCK:
+                # K alone: the rows may be fc.Linear's padding of the tokens, not the caller's.
+                raise ValueError(
+                    f"NVFP4 needs the last dimension (K={cols}) to be a multiple of {BLOCK}"
+                )
+            if (self.block_2d or columnwise) and rows % BLOCK:
+                why = "16x16 tiles" if self.block_2d else "a column-wise layout"
+                raise ValueError(
+                    f"NVFP4 with {why} needs the number of rows (R={rows}, the product of all "
+                    f"but the last dimension) to be a multiple of {BLOCK}; got a tensor of "
+                    f"shape {tuple(x.shape)}"
+                )
+            if self.rht is not None and columnwise:
+                return self._quantize_transformed(x, matrix, rowwise, generator, reduce_amax)
+            return self._quantize(x, matrix, rowwise, columnwise, generator, reduce_amax)
+        finally:
+            if opened is not None:
+                _end(opened)
 
     def _quantize_transformed(
         self,
@@ -216,5 +222,3 @@ def _draws(
     rand = torch.rand((rows, cols), **draw) if rowwise or block_2d else None
     rand_t = torch.rand((cols, rows), **draw) if columnwise and not block_2d else None
     return rand, rand_t
-
-

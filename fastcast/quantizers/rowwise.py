@@ -20,9 +20,11 @@ import torch
 
 from ..formats import ELEMENT_MAX, FP8_DTYPES
 from ..kernels import fused_op
-from ..profiling import annotate
 from ..reference.cast import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
 from ..reference.rows import quantize_rows_reference
+from ..runtime.observers import attached as _observers
+from ..runtime.observers import begin as _begin
+from ..runtime.observers import end as _end
 from ..tensor import Float8Tensor
 from .base import check_fp8_format, check_input, transposed_codes
 
@@ -73,7 +75,6 @@ class RowwiseQuantizer:
     def _scale(self, amax: torch.Tensor) -> torch.Tensor:
         return scale_from_amax(amax, ELEMENT_MAX[self.fmt], power_2=self.power_2_scales)
 
-    @annotate("fastcast.quantize.rowwise")
     def quantize(
         self,
         x: torch.Tensor,
@@ -86,38 +87,43 @@ class RowwiseQuantizer:
         """``reduce_rows`` / ``reduce_columns`` max-reduce the amaxes of the row-wise /
         column-wise layout in place before its scales are made (rows split across ranks
         get the whole row's scale); a layout reduced runs the reference."""
-        check_input(x)
-        if not (rowwise or columnwise):
-            raise ValueError(f"{type(self).__name__}: ask for rowwise and/or columnwise data")
-        m = as_matrix(x)
-        data = scale_inv = data_t = scale_inv_t = None
-        if rowwise:
-            data, scale_inv = self._slices(m, False, reduce_rows)
-            data = data.reshape(x.shape)
-        if columnwise:
-            # Cast in m's layout (rows of x.T are m's columns: elementwise, the same
-            # codes), then transpose the FP8 bytes rather than copy m transposed.
-            if self.columnwise_per_tensor:
-                amax = tensor_amax(m)
-                if reduce_columns is not None:
-                    reduce_columns(amax)
-                scale_t = self._scale(amax).expand(1, m.shape[1])
-                codes, scale_inv_t = scale_and_cast(m, scale_t, self.fmt), scale_t.reciprocal()
-            else:
-                codes, scale_inv_t = self._slices(m, True, reduce_columns)
-            data_t = transposed_codes(codes)
-            scale_inv_t = scale_inv_t.reshape(-1, 1).contiguous()
-        return Float8Tensor(
-            fmt=self.fmt,
-            shape=x.shape,
-            dtype=x.dtype,
-            data=data,
-            scale_inv=scale_inv,
-            block=PER_ROW,
-            data_t=data_t,
-            scale_inv_t=scale_inv_t,
-            block_t=PER_ROW,
-        )
+        opened = _begin("fastcast.quantize.rowwise") if _observers else None  # observer point
+        try:
+            check_input(x)
+            if not (rowwise or columnwise):
+                raise ValueError(f"{type(self).__name__}: ask for rowwise and/or columnwise data")
+            m = as_matrix(x)
+            data = scale_inv = data_t = scale_inv_t = None
+            if rowwise:
+                data, scale_inv = self._slices(m, False, reduce_rows)
+                data = data.reshape(x.shape)
+            if columnwise:
+                # Cast in m's layout (rows of x.T are m's columns: elementwise, the same
+                # codes), then transpose the FP8 bytes rather than copy m transposed.
+                if self.columnwise_per_tensor:
+                    amax = tensor_amax(m)
+                    if reduce_columns is not None:
+                        reduce_columns(amax)
+                    scale_t = self._scale(amax).expand(1, m.shape[1])
+                    codes, scale_inv_t = scale_and_cast(m, scale_t, self.fmt), scale_t.reciprocal()
+                else:
+                    codes, scale_inv_t = self._slices(m, True, reduce_columns)
+                data_t = transposed_codes(codes)
+                scale_inv_t = scale_inv_t.reshape(-1, 1).contiguous()
+            return Float8Tensor(
+                fmt=self.fmt,
+                shape=x.shape,
+                dtype=x.dtype,
+                data=data,
+                scale_inv=scale_inv,
+                block=PER_ROW,
+                data_t=data_t,
+                scale_inv_t=scale_inv_t,
+                block_t=PER_ROW,
+            )
+        finally:
+            if opened is not None:
+                _end(opened)
 
     def _slices(
         self, m: torch.Tensor, columns: bool, reduce: Callable[[torch.Tensor], Any] | None

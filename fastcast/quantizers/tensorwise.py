@@ -20,9 +20,11 @@ import torch
 
 from ..formats import ELEMENT_MAX, FP8_DTYPES
 from ..kernels import fused_op, tensorwise_op
-from ..profiling import annotate
 from ..reference.amax import record_amax_reference
 from ..reference.cast import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
+from ..runtime.observers import attached as _observers
+from ..runtime.observers import begin as _begin
+from ..runtime.observers import end as _end
 from ..tensor import WHOLE, Float8Tensor
 from .base import check_fp8_format, check_input, transposed_codes
 
@@ -106,32 +108,38 @@ class CurrentScalingQuantizer:
     def __post_init__(self) -> None:
         check_fp8_format(type(self).__name__, self.fmt)
 
-    @annotate("fastcast.quantize.tensorwise")
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
     ) -> Float8Tensor:
-        check_input(x)
-        if self.amax_reduction_group is None:
-            op = tensorwise_op(x)
-            if op is not None:  # amax, scale and cast in one operator
-                fmt, power_2, epsilon = self.fmt, self.power_2_scales, self.amax_epsilon
-                rows, cols = _fused_layouts(x, rowwise, columnwise)
-                data, scale_inv, data_t = op(x, None, FP8_DTYPES[fmt], power_2, epsilon, rows, cols)
-                return _float8(
-                    x, fmt, data, scale_inv, rowwise, columnwise, data_t if cols else None
-                )
-        amax = tensor_amax(x)
-        if self.amax_reduction_group is not None:
-            from ..distributed import all_reduce_max  # noqa: PLC0415 - only with a group
+        opened = _begin("fastcast.quantize.tensorwise") if _observers else None  # observer point
+        try:
+            check_input(x)
+            if self.amax_reduction_group is None:
+                op = tensorwise_op(x)
+                if op is not None:  # amax, scale and cast in one operator
+                    fmt, power_2, epsilon = self.fmt, self.power_2_scales, self.amax_epsilon
+                    rows, cols = _fused_layouts(x, rowwise, columnwise)
+                    data, scale_inv, data_t = op(
+                        x, None, FP8_DTYPES[fmt], power_2, epsilon, rows, cols
+                    )
+                    return _float8(
+                        x, fmt, data, scale_inv, rowwise, columnwise, data_t if cols else None
+                    )
+            amax = tensor_amax(x)
+            if self.amax_reduction_group is not None:
+                from ..distributed import all_reduce_max  # noqa: PLC0415 - only with a group
 
-            all_reduce_max(amax, self.amax_reduction_group)
-        scale = scale_from_amax(
-            amax,
-            ELEMENT_MAX[self.fmt],
-            power_2=self.power_2_scales,
-            epsilon=self.amax_epsilon,
-        )
-        return quantize_with_scale(x, scale, self.fmt, rowwise, columnwise)
+                all_reduce_max(amax, self.amax_reduction_group)
+            scale = scale_from_amax(
+                amax,
+                ELEMENT_MAX[self.fmt],
+                power_2=self.power_2_scales,
+                epsilon=self.amax_epsilon,
+            )
+            return quantize_with_scale(x, scale, self.fmt, rowwise, columnwise)
+        finally:
+            if opened is not None:
+                _end(opened)
 
 
 class DelayedScalingQuantizer:
@@ -158,26 +166,30 @@ class DelayedScalingQuantizer:
     def scale(self) -> torch.Tensor:
         return self.meta.scale_views[self.index]
 
-    @annotate("fastcast.quantize.tensorwise")
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
     ) -> Float8Tensor:
-        check_input(x)
-        # Through the property, once: compiled code overrides it (dynamo/delayed.py).
-        scale = self.scale
-        if self.recording:
-            slot = self.meta.amax_slots[self.index]
-            # The views are one-element FP32 tensors, the slot on the scale's device: only
-            # the scale's side of the CPU/GPU divide needs a look per call.
-            op = fused_op("quantize_recording", x) if scale.is_cpu == x.is_cpu else None
-            # The recording cast writes row-wise codes only. Where a CUDA caller wants the
-            # column-wise layout too, the amax pass and the tiled cast of both layouts
-            # below cost less than transposing the codes afterwards.
-            if op is not None and not (columnwise and x.is_cuda):  # one pass over x
-                data, scale_inv = op(x, scale, slot, FP8_DTYPES[self.fmt])
-                return _float8(x, self.fmt, data, scale_inv, rowwise, columnwise)
-            record_amax(slot, x)
-        return quantize_with_scale(x, scale, self.fmt, rowwise, columnwise)
+        opened = _begin("fastcast.quantize.tensorwise") if _observers else None  # observer point
+        try:
+            check_input(x)
+            # Through the property, once: compiled code overrides it (dynamo/delayed.py).
+            scale = self.scale
+            if self.recording:
+                slot = self.meta.amax_slots[self.index]
+                # The views are one-element FP32 tensors, the slot on the scale's device: only
+                # the scale's side of the CPU/GPU divide needs a look per call.
+                op = fused_op("quantize_recording", x) if scale.is_cpu == x.is_cpu else None
+                # The recording cast writes row-wise codes only. Where a CUDA caller wants
+                # the column-wise layout too, the amax pass and the tiled cast of both
+                # layouts below cost less than transposing the codes afterwards.
+                if op is not None and not (columnwise and x.is_cuda):  # one pass over x
+                    data, scale_inv = op(x, scale, slot, FP8_DTYPES[self.fmt])
+                    return _float8(x, self.fmt, data, scale_inv, rowwise, columnwise)
+                record_amax(slot, x)
+            return quantize_with_scale(x, scale, self.fmt, rowwise, columnwise)
+        finally:
+            if opened is not None:
+                _end(opened)
 
 
 class FixedScaleQuantizer:
@@ -190,12 +202,16 @@ class FixedScaleQuantizer:
         self.scale = scale
         self.fmt = fmt
 
-    @annotate("fastcast.quantize.tensorwise")
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
     ) -> Float8Tensor:
-        check_input(x)
-        return quantize_with_scale(x, self.scale, self.fmt, rowwise, columnwise)
+        opened = _begin("fastcast.quantize.tensorwise") if _observers else None  # observer point
+        try:
+            check_input(x)
+            return quantize_with_scale(x, self.scale, self.fmt, rowwise, columnwise)
+        finally:
+            if opened is not None:
+                _end(opened)
 
 
 def record_amax(slot: torch.Tensor, x: torch.Tensor) -> None:

@@ -2,44 +2,55 @@
  *
  * The Python class in fastcast/autocast.py is the reference: its methods define what
  * autocast does, run wherever this module is not built, and run for every call this
- * module does not take (unusual arguments, a method of the class replaced by fastcast's
- * tracing ranges, fc.inspect or a test). Each step below is the same step as there, in
- * the same order; the cold paths (refusals, warnings, stateful schemes) call back into
- * the Python functions themselves, so each rule is written once.
+ * module does not take (unusual arguments; any call while an observer is attached to the
+ * state manager's observer points). Each step below is the same step as there, in the
+ * same order; the cold paths (refusals, warnings, stateful schemes) call the Python
+ * functions themselves, so each rule is written once.
+ *
+ * The contract: `install` takes one table of (role, object) pairs, autocast.native_contract(),
+ * and refuses it unless its roles are ROLES below, in order. Everything used here comes
+ * from that table as an object (slots as member descriptors, functions, the keyword
+ * names): this file looks up no Python name at run time, so a rename on the Python side
+ * either changes the table (refused at import) or is carried by it.
  *
  * Why C: a Python class call with keyword arguments builds an argument tuple and a dict
  * and runs a Python __init__, and each Python method adds a frame; together they cost
- * about twice an empty context manager before any work is done. Here the class call is
- * a vectorcall (no tuple, no dict) that fills the instance's slots directly, and
- * __enter__/__exit__ are C functions bound as methods (instancemethod).
- *
- * `install` receives everything once, at import of fastcast.autocast: those are fixed
- * facts of the process (the class, the state manager's context variable, its sets).
+ * about twice an empty context manager before any work is done.
  */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
 
+/* The roles of the contract table, in order (exported as _native.ROLES). */
+static const char *ROLES[] = {
+    "class", "native", "stack", "default_recipe", "shared", "runnable", "recipe_types",
+    "observers", "slot_enabled", "slot_recipe", "slot_calibrating", "slot_group", "slot_ran",
+    "slot_warning_due", "slot_stateful_threads", "keywords", "py_enter", "py_exit",
+    "check_recipe", "refuse_reentry", "exit_out_of_order", "ran_nothing", "levels_exited",
+    "not_here",
+};
+#define NROLES ((Py_ssize_t)(sizeof ROLES / sizeof *ROLES))
+
 static struct {
     PyTypeObject *cls;        /* fastcast.autocast.autocast, the reference class */
     PyTypeObject *native;     /* its subclass whose __enter__/__exit__ are below */
-    PyObject *py_enter;       /* the reference methods, as the class dict holds them */
-    PyObject *py_exit;
-    PyObject *stack;          /* state._stack: the ContextVar holding [frame, below, token] */
-    PyObject *runnable;       /* autocast._runnable: recipe types that passed the support check */
-    PyObject *recipe_types;   /* autocast._recipe_types: recipe types constructors have seen */
-    PyObject *state_dict;     /* the state module's globals: the two flags __exit__ reads */
+    PyObject *stack;          /* the ContextVar holding [frame, below, token] */
     PyObject *default_recipe; /* schemes.default_recipe */
+    PyObject *shared;         /* state.autocast_state (its slots: the two switches) */
+    PyObject *runnable;       /* recipe types that passed the support check */
+    PyObject *recipe_types;   /* recipe types constructors have seen */
+    PyObject *observers;      /* observers.attached: while not empty, Python runs */
+    PyObject *kw_enabled, *kw_recipe, *kw_calibrating, *kw_group; /* __init__'s keywords */
+    PyObject *py_enter, *py_exit; /* the reference methods */
+    PyObject *check_recipe, *refuse_reentry, *exit_out_of_order; /* (self, ...) */
     PyObject *ran_nothing;    /* autocast._ran_nothing(below, stacklevel) */
     PyObject *levels_exited;  /* autocast._levels_exited(frame, below, ok) */
-    PyObject *not_here;       /* autocast._NOT_HERE, the message of a foreign token */
-    /* Where the instance slots of AutocastFrame live (from their member descriptors). */
-    Py_ssize_t enabled, recipe, calibrating, group, ran;
+    PyObject *not_here;       /* the message of a foreign token */
+    PyObject *ran_descr;      /* AutocastFrame.ran, to set it on any frame */
+    /* Slot offsets, from the member descriptors of the table. */
+    Py_ssize_t enabled, recipe, calibrating, group, ran, warning_due, stateful_threads;
 } N;
-
-static PyObject *S_enabled, *S_recipe, *S_calibrating, *S_group, *S_ran, *S_enter, *S_exit,
-    *S_due, *S_threads, *S_check_recipe, *S_refuse_reentry, *S_exit_out_of_order;
 
 #define SLOT(obj, offset) (*(PyObject **)((char *)(obj) + (offset)))
 
@@ -51,45 +62,8 @@ static PyObject *slot(PyObject *obj, Py_ssize_t offset, const char *name) {
     return value;
 }
 
-/* The class's version tag when its __enter__ and __exit__ were last seen to be the
- * reference methods. CPython gives a class a new tag whenever it (or a base) is modified,
- * so while the tag is unchanged one integer comparison stands for two dict look-ups. */
-static unsigned int unchanged_tag;
-
-static int class_unchanged(void) {
-    unsigned int tag = N.cls->tp_version_tag;
-#ifdef Py_TPFLAGS_VALID_VERSION_TAG
-    if (!(N.cls->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG))
-        tag = 0;
-#endif
-    return tag != 0 && tag == unchanged_tag;
-}
-
-/* The class's current method `name` bound to self when it is not `reference` (tracing
- * ranges, fc.inspect or a test replaced it); NULL when it is the reference (or on error,
- * with an exception set). */
-static PyObject *replaced(PyObject *self, PyObject *name, PyObject *reference) {
-    if (class_unchanged())
-        return NULL;
-    PyObject *method = PyDict_GetItemWithError(N.cls->tp_dict, name);
-    if (method == reference) {
-        PyObject *other = PyDict_GetItemWithError(N.cls->tp_dict, name == S_enter ? S_exit : S_enter);
-        if (other == (name == S_enter ? N.py_exit : N.py_enter)) {
-#ifdef Py_TPFLAGS_VALID_VERSION_TAG
-            if (N.cls->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)
-#endif
-                unchanged_tag = N.cls->tp_version_tag;
-        }
-        return NULL;
-    }
-    if (method == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetObject(PyExc_AttributeError, name);
-        return NULL;
-    }
-    descrgetfunc get = Py_TYPE(method)->tp_descr_get;
-    return get ? get(method, self, (PyObject *)N.cls) : Py_NewRef(method);
-}
+/* Whether an observer is attached: the Python methods (which have the points) run. */
+#define OBSERVED() (PyList_GET_SIZE(N.observers) != 0)
 
 /* ----------------------------------------------------------------- construction */
 
@@ -132,13 +106,13 @@ static PyObject *construct(PyObject *type, PyObject *const *args, size_t nargsf,
     Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
     for (Py_ssize_t i = 0; usual && i < nkw; i++) {
         PyObject *key = PyTuple_GET_ITEM(kwnames, i), *value = args[nargs + i];
-        if (key == S_recipe)
+        if (key == N.kw_recipe)
             recipe = value;
-        else if (key == S_calibrating)
+        else if (key == N.kw_calibrating)
             calibrating = value;
-        else if (key == S_group)
+        else if (key == N.kw_group)
             group = value;
-        else if (key == S_enabled && nargs == 0)
+        else if (key == N.kw_enabled && nargs == 0)
             enabled = value;
         else /* unknown, twice, or a name not interned: Python sorts it out */
             usual = 0;
@@ -170,14 +144,8 @@ static PyObject *construct(PyObject *type, PyObject *const *args, size_t nargsf,
 /* ----------------------------------------------------------------- __enter__ */
 
 static PyObject *enter(PyObject *module, PyObject *self) {
-    PyObject *other = replaced(self, S_enter, N.py_enter);
-    if (other != NULL) {
-        PyObject *result = PyObject_CallNoArgs(other);
-        Py_DECREF(other);
-        return result;
-    }
-    if (PyErr_Occurred())
-        return NULL;
+    if (OBSERVED())
+        return PyObject_CallOneArg(N.py_enter, self);
     PyObject *recipe = slot(self, N.recipe, "recipe");
     if (recipe == NULL)
         return NULL;
@@ -191,7 +159,7 @@ static PyObject *enter(PyObject *module, PyObject *self) {
     }
     int runnable = PySet_Contains(N.runnable, (PyObject *)Py_TYPE(recipe));
     PyObject *checked = runnable != 0 ? Py_NewRef(Py_None)
-                                      : PyObject_CallMethodNoArgs(self, S_check_recipe);
+                                      : PyObject_CallOneArg(N.check_recipe, self);
     if (runnable < 0 || checked == NULL) {
         Py_XDECREF(checked);
         Py_DECREF(below);
@@ -202,7 +170,7 @@ static PyObject *enter(PyObject *module, PyObject *self) {
     for (PyObject *level = below; PyList_CheckExact(level) && PyList_GET_SIZE(level) == 3;
          level = PyList_GET_ITEM(level, 1)) {
         if (PyList_GET_ITEM(level, 0) == self) {
-            checked = PyObject_CallMethodOneArg(self, S_refuse_reentry, below);
+            checked = PyObject_CallFunctionObjArgs(N.refuse_reentry, self, below, NULL);
             if (checked != NULL) { /* it raises; never enter twice whatever it did */
                 Py_DECREF(checked);
                 PyErr_SetString(PyExc_RuntimeError, "fc.autocast: already active here");
@@ -236,21 +204,15 @@ static PyObject *exit_(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     PyObject *self = args[0], *exc_type = args[1];
-    PyObject *other = replaced(self, S_exit, N.py_exit);
-    if (other != NULL) {
-        PyObject *result = PyObject_Vectorcall(other, args + 1, 3, NULL);
-        Py_DECREF(other);
-        return result;
-    }
-    if (PyErr_Occurred())
-        return NULL;
+    if (OBSERVED())
+        return PyObject_Vectorcall(N.py_exit, args, 4, NULL);
     PyObject *node;
     if (PyContextVar_Get(N.stack, NULL, &node) < 0)
         return NULL;
     if (!PyList_CheckExact(node) || PyList_GET_SIZE(node) != 3 ||
         PyList_GET_ITEM(node, 0) != self) {
         /* Not the innermost level: the Python method repairs the stack and raises. */
-        PyObject *repaired = PyObject_CallMethodOneArg(self, S_exit_out_of_order, node);
+        PyObject *repaired = PyObject_CallFunctionObjArgs(N.exit_out_of_order, self, node, NULL);
         Py_DECREF(node);
         if (repaired == NULL)
             return NULL;
@@ -274,8 +236,8 @@ static PyObject *exit_(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (!ran_true) {
         int due = PyObject_IsTrue(enabled);
         if (due > 0) {
-            flag = PyDict_GetItemWithError(N.state_dict, S_due);
-            due = flag == NULL ? (PyErr_Occurred() ? -1 : 0) : PyObject_IsTrue(flag);
+            flag = slot(N.shared, N.warning_due, "warning_due");
+            due = flag == NULL ? -1 : PyObject_IsTrue(flag);
         }
         if (due < 0)
             goto done;
@@ -287,12 +249,13 @@ static PyObject *exit_(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         }
     } else if (PyList_CheckExact(below) && PyList_GET_ITEM(below, 1) != Py_None) {
         /* nested: what ran here ran inside the levels below too */
-        if (PyObject_SetAttr(PyList_GET_ITEM(below, 0), S_ran, Py_True) < 0)
+        PyObject *frame = PyList_GET_ITEM(below, 0);
+        if (Py_TYPE(N.ran_descr)->tp_descr_set(N.ran_descr, frame, Py_True) < 0)
             goto done;
     }
     /* Stateful schemes (delayed scaling) decide whether this level ends the step. */
-    flag = PyDict_GetItemWithError(N.state_dict, S_threads);
-    int stateful = flag == NULL ? (PyErr_Occurred() ? -1 : 0) : PyObject_IsTrue(flag);
+    flag = slot(N.shared, N.stateful_threads, "stateful_threads");
+    int stateful = flag == NULL ? -1 : PyObject_IsTrue(flag);
     if (stateful < 0)
         goto done;
     if (stateful) {
@@ -310,54 +273,97 @@ done:
 
 /* ----------------------------------------------------------------- install */
 
-static Py_ssize_t slot_offset(PyTypeObject *cls, const char *name) {
-    PyObject *descr = PyObject_GetAttrString((PyObject *)cls, name);
-    if (descr == NULL)
+/* The offset of the slot a member descriptor stands for (-1 with TypeError if not one). */
+static Py_ssize_t slot_offset(PyObject *descr, PyTypeObject *owner, const char *role) {
+    if (!Py_IS_TYPE(descr, &PyMemberDescr_Type) ||
+        !PyType_IsSubtype(owner, PyDescr_TYPE((PyDescrObject *)descr))) {
+        PyErr_Format(PyExc_TypeError, "_native.install: %s is not a slot of %s", role,
+                     owner->tp_name);
         return -1;
-    Py_ssize_t offset = -1;
-    if (Py_IS_TYPE(descr, &PyMemberDescr_Type))
-        offset = ((PyMemberDescrObject *)descr)->d_member->offset;
-    else
-        PyErr_Format(PyExc_TypeError, "fc.autocast: %s is not a slot", name);
-    Py_DECREF(descr);
-    return offset;
+    }
+    return ((PyMemberDescrObject *)descr)->d_member->offset;
 }
 
-static PyObject *install(PyObject *module, PyObject *args) {
-    PyObject *cls, *native;
-    if (N.cls != NULL) {
+/* The table's entry i, checked to be role ROLES[i] (borrowed; NULL with TypeError). */
+static PyObject *entry(PyObject *table, Py_ssize_t i) {
+    PyObject *pair = PyTuple_GET_ITEM(table, i);
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 ||
+        !PyUnicode_Check(PyTuple_GET_ITEM(pair, 0)) ||
+        PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(pair, 0), ROLES[i]) != 0) {
+        PyErr_Format(PyExc_TypeError,
+                     "_native.install: entry %zd of the contract must be the role '%s' (the "
+                     "Python table and _native.c disagree; see _native.ROLES)", i, ROLES[i]);
+        return NULL;
+    }
+    return PyTuple_GET_ITEM(pair, 1);
+}
+
+static PyObject *install(PyObject *module, PyObject *table) {
+    if (!PyTuple_Check(table) || PyTuple_GET_SIZE(table) != NROLES) {
+        PyErr_Format(PyExc_TypeError, "_native.install: the contract must be a tuple of %zd "
+                     "(role, object) pairs (see _native.ROLES)", NROLES);
+        return NULL;
+    }
+    PyObject *v[NROLES];
+    for (Py_ssize_t i = 0; i < NROLES; i++)
+        if ((v[i] = entry(table, i)) == NULL)
+            return NULL;
+    if (!PyType_Check(v[0]) || !PyType_Check(v[1]) ||
+        !PyType_IsSubtype((PyTypeObject *)v[1], (PyTypeObject *)v[0]) ||
+        !(((PyTypeObject *)v[0])->tp_flags & Py_TPFLAGS_HEAPTYPE)) {
+        PyErr_SetString(PyExc_TypeError, "_native.install: native must subclass class");
+        return NULL;
+    }
+    PyTypeObject *cls = (PyTypeObject *)v[0], *shared = Py_TYPE(v[4]);
+    PyObject *keywords = v[15];
+    if (!PyContextVar_CheckExact(v[2]) || !PySet_CheckExact(v[5]) || !PySet_CheckExact(v[6]) ||
+        !PyList_CheckExact(v[7]) || !PyTuple_Check(keywords) || PyTuple_GET_SIZE(keywords) != 4 ||
+        !PyUnicode_Check(v[23])) {
+        PyErr_SetString(PyExc_TypeError, "_native.install: a contract entry has the wrong type");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < 4; i++)
+        if (!PyUnicode_CheckExact(PyTuple_GET_ITEM(keywords, i))) {
+            PyErr_SetString(PyExc_TypeError, "_native.install: keywords must be 4 str");
+            return NULL;
+        }
+    if ((N.enabled = slot_offset(v[8], cls, ROLES[8])) < 0 ||
+        (N.recipe = slot_offset(v[9], cls, ROLES[9])) < 0 ||
+        (N.calibrating = slot_offset(v[10], cls, ROLES[10])) < 0 ||
+        (N.group = slot_offset(v[11], cls, ROLES[11])) < 0 ||
+        (N.ran = slot_offset(v[12], cls, ROLES[12])) < 0 ||
+        (N.warning_due = slot_offset(v[13], shared, ROLES[13])) < 0 ||
+        (N.stateful_threads = slot_offset(v[14], shared, ROLES[14])) < 0)
+        return NULL;
+    if (N.cls != NULL) { /* checked after the table: a test may check a table again */
         PyErr_SetString(PyExc_RuntimeError, "fastcast.runtime._native: installed already");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "O!O!OOO!O!O!OOU:install", &PyType_Type, &cls, &PyType_Type,
-                          &native, &N.stack, &N.default_recipe, &PySet_Type, &N.runnable,
-                          &PySet_Type, &N.recipe_types, &PyDict_Type, &N.state_dict,
-                          &N.ran_nothing, &N.levels_exited, &N.not_here))
-        return NULL;
-    N.cls = (PyTypeObject *)cls;
-    N.native = (PyTypeObject *)native;
-    if (!PyType_IsSubtype(N.native, N.cls) || !(N.cls->tp_flags & Py_TPFLAGS_HEAPTYPE)) {
-        N.cls = NULL;
-        PyErr_SetString(PyExc_TypeError, "install(cls, native, ...): native must subclass cls");
-        return NULL;
+    for (Py_ssize_t i = 0; i < NROLES; i++)
+        Py_INCREF(v[i]); /* for the life of the process */
+    N.native = (PyTypeObject *)v[1];
+    N.stack = v[2];
+    N.default_recipe = v[3];
+    N.shared = v[4];
+    N.runnable = v[5];
+    N.recipe_types = v[6];
+    N.observers = v[7];
+    N.ran_descr = v[12];
+    /* Interned, as the keyword names of a call are: one pointer comparison per keyword. */
+    PyObject **kw[4] = {&N.kw_enabled, &N.kw_recipe, &N.kw_calibrating, &N.kw_group};
+    for (Py_ssize_t i = 0; i < 4; i++) {
+        *kw[i] = Py_NewRef(PyTuple_GET_ITEM(keywords, i));
+        PyUnicode_InternInPlace(kw[i]);
     }
-    N.py_enter = PyDict_GetItemWithError(N.cls->tp_dict, S_enter);
-    N.py_exit = PyDict_GetItemWithError(N.cls->tp_dict, S_exit);
-    if ((N.enabled = slot_offset(N.cls, "enabled")) < 0 ||
-        (N.recipe = slot_offset(N.cls, "recipe")) < 0 ||
-        (N.calibrating = slot_offset(N.cls, "calibrating")) < 0 ||
-        (N.group = slot_offset(N.cls, "group")) < 0 || (N.ran = slot_offset(N.cls, "ran")) < 0 ||
-        N.py_enter == NULL || N.py_exit == NULL) {
-        N.cls = NULL;
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "install: the class has no __enter__/__exit__");
-        return NULL;
-    }
-    PyObject *held[] = {cls, native, N.stack, N.default_recipe, N.runnable, N.recipe_types,
-                        N.state_dict, N.ran_nothing, N.levels_exited, N.py_enter,
-                        N.py_exit, N.not_here};
-    for (size_t i = 0; i < sizeof held / sizeof *held; i++)
-        Py_INCREF(held[i]); /* for the life of the process */
+    N.py_enter = v[16];
+    N.py_exit = v[17];
+    N.check_recipe = v[18];
+    N.refuse_reentry = v[19];
+    N.exit_out_of_order = v[20];
+    N.ran_nothing = v[21];
+    N.levels_exited = v[22];
+    N.not_here = v[23];
+    N.cls = cls;
     N.cls->tp_vectorcall = construct;
     Py_RETURN_NONE;
 }
@@ -380,9 +386,9 @@ static PyObject *fast_construction(PyObject *module, PyObject *unused) {
 }
 
 static PyMethodDef functions[] = {
-    {"install", install, METH_VARARGS,
-     "install(cls, native, stack, default_recipe, runnable, recipe_types, state_dict, "
-     "ran_nothing, levels_exited, not_here): take over cls's construction"},
+    {"install", install, METH_O,
+     "install(contract): take over the class's construction; contract: a tuple of "
+     "(role, object) pairs whose roles are ROLES, in order (autocast.native_contract())"},
     {"set_fast_construction", set_fast_construction, METH_O,
      "Turn the C construction on or off (the Python __init__ runs when off)."},
     {"fast_construction", fast_construction, METH_NOARGS,
@@ -400,20 +406,7 @@ static struct PyModuleDef module_def = {
     "fc.autocast's construction, __enter__ and __exit__ in C (see _native.c).", -1, functions,
 };
 
-static int intern(PyObject **target, const char *text) {
-    *target = PyUnicode_InternFromString(text);
-    return *target == NULL ? -1 : 0;
-}
-
 PyMODINIT_FUNC PyInit__native(void) {
-    if (intern(&S_enabled, "enabled") || intern(&S_recipe, "recipe") ||
-        intern(&S_calibrating, "calibrating") || intern(&S_group, "amax_reduction_group") ||
-        intern(&S_ran, "ran") || intern(&S_enter, "__enter__") || intern(&S_exit, "__exit__") ||
-        intern(&S_due, "unused_autocast_warning_due") ||
-        intern(&S_threads, "stateful_threads") || intern(&S_check_recipe, "_check_recipe") ||
-        intern(&S_refuse_reentry, "_refuse_reentry") ||
-        intern(&S_exit_out_of_order, "_exit_out_of_order"))
-        return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
         return NULL;
@@ -429,6 +422,19 @@ PyMODINIT_FUNC PyInit__native(void) {
             Py_DECREF(module);
             return NULL;
         }
+    }
+    PyObject *roles = PyTuple_New(NROLES);
+    for (Py_ssize_t i = 0; roles != NULL && i < NROLES; i++) {
+        PyObject *name = PyUnicode_FromString(ROLES[i]);
+        if (name == NULL)
+            Py_CLEAR(roles);
+        else
+            PyTuple_SET_ITEM(roles, i, name);
+    }
+    if (roles == NULL || PyModule_AddObject(module, "ROLES", roles) < 0) {
+        Py_XDECREF(roles);
+        Py_DECREF(module);
+        return NULL;
     }
     return module;
 }

@@ -1,16 +1,8 @@
-"""The state manager: autocast frames per context, stateful schemes' state per thread.
+"""The state manager: fastcast's only process-wide and per-context state.
 
-Autocast state follows Python's ``contextvars``, as ``decimal`` contexts do: the stack of
-active frames is a linked list ``[frame, below, token]`` held in a context variable.
-So each thread, and each asyncio task, has its own stack; ``asyncio.to_thread`` and
-``contextvars.copy_context().run`` see the stack of the code that called them, and what
-they enter never leaks back. Generators share their caller's context: one that holds an
-autocast across a ``yield`` lends it to whatever runs until it resumes (as with
-``torch.autocast``), and exits out of order are detected and refused.
-
-What stateful schemes keep (delayed scaling's slabs) is per thread. Whatever backward
-needs is captured by the module at forward time, because autograd may run backward on
-another thread.
+Invariant: autocast frames live in a context variable (per thread and asyncio task, never
+leaking back from ``to_thread`` or ``copy_context().run``); stateful schemes' state lives
+per thread, and backward reads only what the module captured at forward time.
 """
 
 from __future__ import annotations
@@ -82,10 +74,9 @@ class AutocastFrame:
 
 OUTSIDE = AutocastFrame(enabled=False, recipe=None)
 
-# A stack of frames: the list ``[innermost frame, the stack below it, the token of the
-# context-variable set that pushed it]``, never changed once entered (a list only because
-# the token exists after the set); ``None`` below the bottom. Exiting resets the token:
-# the previous stack comes back, and a token from another context is refused.
+# A stack: ``[innermost frame, the stack below (None at the bottom), the token of the set
+# that pushed it]``, never changed once entered. Exiting resets the token (the previous
+# stack comes back; a token from another context is refused).
 Stack = list  # [AutocastFrame, "Stack | None", contextvars.Token | None]
 BOTTOM: Stack = [OUTSIDE, None, None]
 
@@ -115,31 +106,6 @@ def mark_ran(frame: AutocastFrame) -> None:
     frame.ran = True
 
 
-# Whether fastcast's tracing ranges are on (fastcast.profiling: enable/disable set it).
-ranges_on = False
-
-# The observer of quantized layer calls: ``observer(module, frame, plan) -> plan``, called
-# by ``fastcast.nn.linear.plan_for`` in eager code with the plan a call is about to run,
-# and returning the plan it runs (fc.inspect stands its recording quantizers in). None
-# while none is attached: the hot path then pays one test.
-layer_observer: Any = None
-
-
-def attach_layer_observer(observer: Any) -> None:
-    """Attach ``observer`` (one at a time: a RuntimeError while another is attached)."""
-    global layer_observer
-    if layer_observer is not None:
-        raise RuntimeError("fastcast: another layer observer is attached (an inspection is on)")
-    layer_observer = observer
-
-
-def detach_layer_observer(observer: Any) -> None:
-    """Detach ``observer`` if it is the attached one."""
-    global layer_observer
-    if layer_observer is observer:
-        layer_observer = None
-
-
 def outermost_active(stack: Stack) -> Stack | None:
     """The node of ``stack`` whose frame is its outermost active level (None: none is):
     one per entry of that level, so the identity of one step of the code that entered it."""
@@ -151,9 +117,31 @@ def outermost_active(stack: Stack) -> Stack | None:
     return outer
 
 
-# Whether fc.autocast still has to warn that an enabled autocast saw no fastcast layer
-# run (once per process; autocast.py).
-unused_autocast_warning_due = True
+class AutocastState:
+    """What ``fc.autocast`` keeps process-wide and reads on every call, in Python and in C
+    (one struct: the C side reads these slots at the offsets ``autocast.native_contract()``
+    hands it, and holds the two sets, which are never rebound).
+
+    - ``warning_due``: an enabled autocast that saw no fastcast layer run still has to be
+      warned about (once per process).
+    - ``stateful_threads``: how many live thread states hold a stateful scheme's state;
+      while none does (stateless recipes only), the exit skips the per-thread look-up.
+      Counted up when a thread state first holds one, down when it is freed, under a lock.
+    - ``runnable``: recipe types that passed the support check on this machine (a memo of
+      a fixed fact, emptied when the hardware answers are refreshed).
+    - ``recipe_types``: recipe types constructors have seen (the argument check's fast path).
+    """
+
+    __slots__ = ("warning_due", "stateful_threads", "runnable", "recipe_types")
+
+    def __init__(self) -> None:
+        self.warning_due = True
+        self.stateful_threads = 0
+        self.runnable: set[type] = set()
+        self.recipe_types: set[type] = set()
+
+
+autocast_state = AutocastState()
 
 
 class _CompiledView:
@@ -161,16 +149,11 @@ class _CompiledView:
     substitutes ``traced_*`` for the accessors above while tracing).
 
     ``context`` is a property whose getter is the context variable's own C ``get``:
-    Dynamo treats it as side-effect free, reads it for real while tracing, and guards on
-    the value it returns, evaluating ``view.context`` again before every call of the
-    compiled code. So compiled code sees the stack of the context that calls it (thread,
-    asyncio task, ``to_thread``, a fresh ``Context``), exactly as eager code does. The
-    getter is called with the view as its default: a context that never set the variable
-    gives the view itself, which stands for ``BOTTOM``.
-
-    ``traced``: the stack an autocast entered in the traced code pushed (None: none). Only
-    traced code writes it; Dynamo replays the last write after the graph, which is None
-    again once the traced autocasts have exited.
+    Dynamo reads it for real while tracing and guards on its value, so compiled code sees
+    the stack of the context that calls it, as eager code does. A context that never set
+    the variable gives the view itself (the getter's default), standing for ``BOTTOM``.
+    ``traced``: the stack an autocast entered in traced code pushed (None: none); Dynamo
+    replays the last write after the graph, None again once traced autocasts exited.
     """
 
     context = property(_stack.get)
@@ -217,9 +200,9 @@ class UnsafeExtraState:
     exit closes *its* permission, wherever it runs: a generator that holds the block
     across a ``yield`` and is closed from another context (or thread) still takes the
     permission back from the context that entered it, whose chain keeps only a closed
-    entry. The instance keeps its open permissions
-    (it may be entered again while active, or in several contexts): an exit closes the
-    innermost one this context sees, else the instance's most recent.
+    entry. The instance keeps its open permissions (it may be entered again while active,
+    or in several contexts): an exit closes the innermost one this context sees, else
+    the instance's most recent.
     """
 
     __slots__ = ("_open",)
@@ -290,26 +273,19 @@ class ThreadState:
 
 
 _threads = threading.local()
-# How many live thread states hold a stateful scheme's state: while none does (stateless
-# recipes only), autocast's exit skips the per-thread look-up altogether. Counted up
-# when a thread state first holds one, down when that thread state is freed (its thread
-# ended), under a lock (``+=`` on a global is not atomic across threads).
-stateful_threads = 0
-_stateful_lock = threading.Lock()
+_stateful_lock = threading.Lock()  # ``+=`` on an attribute is not atomic across threads
 
 
 def note_stateful_thread(ts: ThreadState) -> None:
     """Called once per thread state when a stateful scheme first keeps state in it."""
-    global stateful_threads
     with _stateful_lock:
-        stateful_threads += 1
+        autocast_state.stateful_threads += 1
     weakref.finalize(ts, _forget_stateful_thread)
 
 
 def _forget_stateful_thread() -> None:
-    global stateful_threads
     with _stateful_lock:
-        stateful_threads -= 1
+        autocast_state.stateful_threads -= 1
 
 
 def thread_state() -> ThreadState:

@@ -23,7 +23,7 @@ from fastcast.formats import ELEMENT_MAX
 from fastcast.nn import linear as linear_module
 from fastcast.numerics.inspector import _Tap
 from fastcast.numerics.stats import _FIELDS, layout_stats
-from fastcast.runtime import state
+from fastcast.runtime import observers
 
 FMT_MAX = 448.0
 
@@ -170,11 +170,11 @@ def test_off_means_nothing_installed_and_nothing_retained():
     native_enter = type(fc.autocast(recipe=recipe)).__dict__["__enter__"]
     hooks = _hook_state(model)
     insp = fc.inspect(model, every=2)
-    assert state.layer_observer is None  # built, not on: nothing attached yet
+    assert insp not in observers.attached  # built, not on: nothing attached yet
     x = torch.randn(16, 32, requires_grad=True)
     x_ref = weakref.ref(x)
     insp.start()
-    assert state.layer_observer is not None
+    assert observers.attached == [insp]
     for step in range(3):
         with fc.autocast(recipe=recipe):
             out = model(x)
@@ -186,7 +186,7 @@ def test_off_means_nothing_installed_and_nothing_retained():
     assert fc.autocast.__dict__["__enter__"] is enter
     assert type(fc.autocast(recipe=recipe)).__dict__["__enter__"] is native_enter
     insp.stop()
-    assert state.layer_observer is None
+    assert observers.attached == []
     assert _hook_state(model) == hooks
     assert not _tapped(model)
     del x, out

@@ -625,7 +625,7 @@ def test_positional_recipe_names_the_keyword():
 
 @pytest.fixture
 def unused_warning_due(monkeypatch):
-    monkeypatch.setattr(state, "unused_autocast_warning_due", True)
+    monkeypatch.setattr(state.autocast_state, "warning_due", True)
 
 
 def test_enabled_autocast_around_an_unconverted_model_warns_once(unused_warning_due):

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextvars
 import importlib
+import inspect
 import shutil
 import sysconfig
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,3 +187,73 @@ def test_inspection_steps_on_an_autocast_made_before_it_started():
                 model(x).sum().backward()
         assert inspection.current_step == 1  # each outermost entry began a step
     assert {row["step"] for row in inspection.report().rows()} == {0, 1}
+
+
+# -- the contract between autocast.py and _native.c ------------------------------------------
+
+
+@needs_native
+def test_the_python_table_and_the_c_roles_agree():
+    # A role renamed, added or moved on either side fails here (and install refuses it).
+    table = autocast_module.native_contract()
+    assert tuple(role for role, _ in table) == native.ROLES
+    # The keywords the C construction takes are autocast.__init__'s own.
+    parameters = inspect.signature(autocast_module.autocast.__init__).parameters
+    keywords = dict(table)["keywords"]
+    assert all(parameters[k].kind in (k_.POSITIONAL_OR_KEYWORD, k_.KEYWORD_ONLY) for k in keywords)
+    assert keywords == ("enabled", "recipe", "calibrating", "amax_reduction_group")
+    # Slots come as member descriptors of the classes the C code reads them from.
+    for role, obj in table:
+        if role.startswith("slot_"):
+            owner = state.AutocastFrame if role in FRAME_SLOTS else state.AutocastState
+            assert owner.__dict__[obj.__name__] is obj, role
+
+
+FRAME_SLOTS = ("slot_enabled", "slot_recipe", "slot_calibrating", "slot_group", "slot_ran")
+k_ = inspect.Parameter
+
+
+@needs_native
+def test_install_refuses_a_table_that_drifted():
+    table = list(autocast_module.native_contract())
+    renamed = [*table[:3], ("stack_var", table[3][1]), *table[4:]]
+    with pytest.raises(
+        TypeError, match=r"entry 3 of the contract must be the role 'default_recipe'"
+    ):
+        native.install(tuple(renamed))
+    with pytest.raises(TypeError, match=r"tuple of \d+ \(role, object\) pairs"):
+        native.install(tuple(table[:-1]))
+    not_a_slot = [*table[:8], ("slot_enabled", property(lambda self: True)), *table[9:]]
+    with pytest.raises(TypeError, match=r"slot_enabled is not a slot"):
+        native.install(tuple(not_a_slot))
+    with pytest.raises(RuntimeError, match="installed already"):  # the good table: checked
+        native.install(tuple(table))
+
+
+def test_the_c_source_looks_up_no_python_name():
+    # Every object comes from the table; a name looked up in C would be a second contract.
+    source = (Path(autocast_module.__file__).parent / "runtime" / "_native.c").read_text()
+    for call in ("GetAttrString", "InternFromString", "GetItemString", "CallMethod", "SetAttr("):
+        assert call not in source, call
+
+
+@needs_native
+def test_the_c_exit_reads_the_shared_switches():
+    # The C exit reads warning_due from the state manager's struct: switched off there,
+    # an unused enabled autocast does not warn; switched on, it does.
+    made = fc.autocast(recipe=fc.Float8CurrentScaling())
+    assert type(made) is NativeAutocast
+    due = state.autocast_state.warning_due
+    try:
+        state.autocast_state.warning_due = False
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with made:
+                pass
+        state.autocast_state.warning_due = True
+        with pytest.warns(autocast_module.UnusedAutocastWarning):
+            with fc.autocast(recipe=fc.Float8CurrentScaling()):
+                pass
+        assert state.autocast_state.warning_due is False  # once per process
+    finally:
+        state.autocast_state.warning_due = due

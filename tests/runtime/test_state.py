@@ -296,11 +296,11 @@ def test_stateful_thread_count_follows_live_threads():
     import gc  # noqa: PLC0415
 
     gc.collect()
-    before = state.stateful_threads
+    before = state.autocast_state.stateful_threads
 
     def worker():
         DelayedThreadState.of(state.thread_state())
-        seen.append(state.stateful_threads)
+        seen.append(state.autocast_state.stateful_threads)
 
     seen = []
     threads = [threading.Thread(target=worker) for _ in range(3)]
@@ -311,7 +311,7 @@ def test_stateful_thread_count_follows_live_threads():
     assert len(seen) == 3 and max(seen) > before
     del threads, t
     gc.collect()
-    assert state.stateful_threads == before
+    assert state.autocast_state.stateful_threads == before
 
 
 # -- per-context permissions and tokens --------------------------------------------------------

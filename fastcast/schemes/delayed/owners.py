@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-from ...profiling import annotate
+from ...runtime.observers import attached as _observers
+from ...runtime.observers import begin as _begin
+from ...runtime.observers import end as _end
 from ...runtime.state import AutocastFrame, Stack, ThreadState, note_stateful_thread
 from .state import BACKWARD, FORWARD, ScalingMeta, Slab
 
@@ -88,7 +90,6 @@ class DelayedState:
     def mark(self, slab: Slab, direction: int) -> None:
         self.pending[direction].add(slab)
 
-    @annotate("fastcast.amax_update")
     def end(self, direction: int, groups: tuple[Any, ...] = ()) -> None:
         """Update the slabs of one direction that recorded amaxes since their last update.
 
@@ -100,23 +101,28 @@ class DelayedState:
         same on every rank.
         """
         # Taken first: an update that raises must not leave these to raise again forever.
-        pending = set(self.pending[direction])
-        self.pending[direction].clear()
-        if len(pending) < 2 and not self.compiled and _no_group(groups):
-            # The usual eager step: at most one slab to update, so no order to keep, and
-            # no group of the step's whose slabs must join in without having recorded.
-            for slab in pending:
-                slab.update()
-            return
-        for (_, slab_direction, _), slab in self.slabs.items():
-            if slab_direction != direction:
-                continue
-            if (
-                slab in pending
-                or slab in self.compiled
-                or (slab.group is not None and any(slab.group is g for g in groups))
-            ):
-                slab.update()
+        opened = _begin("fastcast.amax_update") if _observers else None  # observer point
+        try:
+            pending = set(self.pending[direction])
+            self.pending[direction].clear()
+            if len(pending) < 2 and not self.compiled and _no_group(groups):
+                # The usual eager step: at most one slab to update, so no order to keep, and
+                # no group of the step's whose slabs must join in without having recorded.
+                for slab in pending:
+                    slab.update()
+                return
+            for (_, slab_direction, _), slab in self.slabs.items():
+                if slab_direction != direction:
+                    continue
+                if (
+                    slab in pending
+                    or slab in self.compiled
+                    or (slab.group is not None and any(slab.group is g for g in groups))
+                ):
+                    slab.update()
+        finally:
+            if opened is not None:
+                _end(opened)
 
     def step_exited(self, frame: AutocastFrame, ok: bool) -> None:
         """The forward step this owner ran in ended (its outermost active autocast exited).
