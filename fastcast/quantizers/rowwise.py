@@ -76,13 +76,16 @@ class RowwiseQuantizer:
 
     def over_shards(self, reduce: Any, dim: int) -> Any:
         """Split along K: the row-wise layout's rows span the shards; along the rows: the
-        column-wise layout's (``columnwise_per_tensor``: its one amax)."""
-        return ShardedRowwiseQuantizer(self, reduce, dim == 1, dim == 0)
+        column-wise layout's; either way ``columnwise_per_tensor``'s one amax."""
+        return ShardedRowwiseQuantizer(
+            self, reduce, dim == 1, dim == 0 or self.columnwise_per_tensor
+        )
 
-    def shard_amax(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+    def shard_amax(self, x: torch.Tensor, dim: int) -> torch.Tensor | None:
         m = as_matrix(x)
-        if dim == 0 and self.columnwise_per_tensor:
-            return tensor_amax(m)
+        if self.columnwise_per_tensor:
+            # Along the rows its one amax; along K that and the rows': not one tensor.
+            return tensor_amax(m) if dim == 0 else None
         return row_amax(m, dim)  # what the layout whose rows span ``dim`` reduces
 
     def _scale(self, amax: torch.Tensor) -> torch.Tensor:

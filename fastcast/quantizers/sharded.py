@@ -49,10 +49,10 @@ class ShardedRowwiseQuantizer:
             self,
             reduce=reduce,
             reduce_rows=self.reduce_rows or dim == 1,
-            reduce_columns=self.reduce_columns or dim == 0,
+            reduce_columns=self.reduce_columns or dim == 0 or self.base.columnwise_per_tensor,
         )
 
-    def shard_amax(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+    def shard_amax(self, x: torch.Tensor, dim: int) -> torch.Tensor | None:
         return self.base.shard_amax(x, dim)
 
     def quantize(
