@@ -29,9 +29,10 @@ class Quantizer(Protocol):
     - ``scale_blocks``: ``(block, block_t)``, the blocks the row-wise layout ``[R, K]``
       and the column-wise layout ``[K, R]`` scale over, each in its layout's own
       ``(rows, cols)``, 0 for a whole dim (a ``Float8Tensor``'s ``block``/``block_t``:
-      ``((0, 0), (0, 0))`` per tensor, ``((1, 0), (1, 0))`` per row). Equal blocks in
-      both layouts mean the column-wise layout is the row-wise one transposed. Default
-      None: not known (parallel layers and the FSDP2 gather then do not quantize shards).
+      ``((0, 0), (0, 0))`` per tensor, ``((1, 0), (1, 0))`` per row). ``block_t`` equal to
+      ``block`` transposed (square tiles, one scale) means the column-wise layout is the
+      row-wise one transposed. Default None: not known (parallel layers and the FSDP2
+      gather then do not quantize shards).
     - ``over_shards(reduce, dim)``: the quantizer for a shard of a tensor split along
       ``dim`` of its ``[R, K]`` view (0: rows, the tokens; 1: K) whose codes and scales
       are those this quantizer gives the whole tensor: every amax a scale takes across

@@ -43,6 +43,18 @@ def test_scale_blocks_are_the_blocks_the_tensor_carries(name, role):
     assert scheme.scale_blocks(recipe, role) == q.scale_blocks == (t.block, t.block_t)
 
 
+def test_transposable_layouts_are_the_square_tiles():
+    from fastcast.distributed.fsdp import blocks  # noqa: PLC0415
+
+    recipes = {
+        **STATELESS,
+        "block_1x128": fc.Float8BlockScaling(w_block_scaling_dim=1),
+        "nvfp4_1x16": fc.NVFP4BlockScaling(weight_2d_blocks=False),
+    }
+    got = {n: blocks.transposable(blocks.weight_quantizer(r)) for n, r in recipes.items()}
+    assert {n for n, t in got.items() if t} == {"current", "block", "nvfp4"}
+
+
 def test_delayed_scaling_says_one_scale_per_tensor():
     recipe = fc.DelayedScaling()
     scheme = scheme_for(recipe)

@@ -52,10 +52,10 @@ def weight_quantizer(recipe: Recipe) -> Any:
 
 
 def transposable(quantizer: Any) -> bool:
-    """Whether the column-wise layout is the row-wise one transposed (equal blocks in both
-    layouts: square tiles)."""
+    """Whether the column-wise layout is the row-wise one transposed (its blocks are the
+    row-wise ones transposed: square tiles)."""
     blocks = scale_blocks(quantizer)
-    return blocks is not None and blocks[0] == blocks[1]
+    return blocks is not None and blocks[1] == blocks[0][::-1]
 
 
 def row_alignment(quantizer: Any) -> int:
