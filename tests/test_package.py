@@ -193,3 +193,64 @@ def test_import_fastcast_leaves_dynamo_unimported_until_torch_compile_needs_it()
     code = "import sys, torch._dynamo, fastcast; print('fastcast.compile' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True"]
+
+
+# The layers, bottom up (docs/architecture.md): a module imports only modules of its own
+# layer or below, at its top level and inside its functions alike.
+LAYERS = (
+    "formats",
+    "recipe",
+    "reference",
+    "kernels",
+    "tensor",
+    "runtime",
+    "profiling",
+    "quantizers",
+    "gemm",
+    "serialization",
+    "schemes",
+    "gemm_grouped",
+    "autocast",
+    "distributed",
+    "nn",
+    "dcp",
+    "numerics",
+    "compile",
+    "_on_import",
+)
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    found = []
+    for module, targets in graph.items():
+        parts = module.split(".")
+        if len(parts) == 1:  # the package's __init__: the public names, from every layer
+            continue
+        for target in targets:
+            source_layer, target_layer = parts[1], target.split(".")[1]
+            if source_layer == target_layer:
+                continue
+            if source_layer not in rank or target_layer not in rank:
+                found.append(f"{module} -> {target}: a layer LAYERS does not place")
+            elif rank[target_layer] > rank[source_layer]:
+                found.append(f"{module} -> {target}")
+    return sorted(found)
+
+
+def test_layers_import_one_way():
+    """``nn`` over ``distributed``, ``schemes`` over ``quantizers``: no import, lazy ones
+    included, reaches a layer above its own (what ``pass a reducer in`` or moving a
+    primitive down fixes)."""
+    upward = _upward_imports(_graph())
+    assert not upward, "imports up the layers:\n" + "\n".join(upward)
+
+
+def test_layer_check_sees_an_upward_import(tmp_path):
+    pkg = tmp_path / "fastcast"
+    (pkg / "nn").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "nn" / "__init__.py").write_text("")
+    (pkg / "quantizers.py").write_text("def f():\n    from .nn import x\n")
+    upward = _upward_imports(_graph(pkg))
+    assert upward == ["fastcast.quantizers -> fastcast.nn"]

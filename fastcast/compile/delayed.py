@@ -32,8 +32,8 @@ import torch
 from torch._dynamo import assume_constant_result
 from torch._dynamo.comptime import comptime
 
-from ..quantizers.tensorwise import DelayedScalingQuantizer, record_amax
-from ..recipe import DelayedScaling
+from ..quantizers.tensorwise import record_amax
+from ..recipe import Recipe
 from ..runtime import state as _state
 from ..runtime.state import AutocastFrame, Stack
 from ..schemes import Plan, scheme_for
@@ -63,12 +63,8 @@ def traced_delayed_plan(module: Any, frame: AutocastFrame) -> Plan:
     # Guards on these objects' identities: a module given new metas (a checkpoint load)
     # or moved to another slab is traced, and so joined, again.
     _identities(fwd, bwd, fwd.slab, bwd.slab)
-    fmt = recipe.fp8_format
-    quantizers = (
-        _TracedDelayedQuantizer(fwd, 0, fmt.fwd),
-        _TracedDelayedQuantizer(fwd, 1, fmt.fwd),
-        _TracedDelayedQuantizer(bwd, 0, fmt.bwd),
-    )
+    # The scales read through _snapshot (see there).
+    quantizers = scheme_for(recipe).traced_quantizers(recipe, module._scheme_state, _snapshot)
     return _TracedDelayedPlan(recipe, None, quantizers)
 
 
@@ -140,7 +136,7 @@ class _TracedThreadState:
         self.schemes = {DelayedThreadState: self}
 
     def frame_exited(self, frame: AutocastFrame, below: Stack, ok: bool) -> None:
-        if isinstance(frame.recipe, DelayedScaling) and frame.opens_step(below):
+        if scheme_for(frame.recipe).stateful and frame.opens_step(below):
             raise RuntimeError(_INSIDE)
 
 
@@ -150,16 +146,6 @@ _traced_thread_state = _TracedThreadState()
 @torch.compiler.substitute_in_graph(_state.thread_state, skip_signature_check=True)
 def _traced_thread_state_of() -> Any:
     return _traced_thread_state
-
-
-class _TracedDelayedQuantizer(DelayedScalingQuantizer):
-    """``DelayedScalingQuantizer`` reading its scale through ``_snapshot``."""
-
-    __slots__ = ()
-
-    @property
-    def scale(self) -> torch.Tensor:
-        return _snapshot(self.meta.scale_views[self.index])
 
 
 @torch.library.custom_op("fastcast::snapshot", mutates_args=())
@@ -178,7 +164,7 @@ def _(scale: torch.Tensor) -> torch.Tensor:
 
 
 @assume_constant_result
-def _join_delayed(module: Any, recipe_type: type[DelayedScaling], values: tuple) -> bool:
+def _join_delayed(module: Any, recipe_type: type[Recipe], values: tuple) -> bool:
     """Runs for real while tracing (``module`` is guarded by identity): attach the
     module's metas to this thread's slabs, once per trace (see ``join_compiled``)."""
     recipe = recipe_type(*values)  # equal to the frame's recipe: the same slabs

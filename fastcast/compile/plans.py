@@ -13,21 +13,19 @@ from typing import Any
 import torch
 from torch._dynamo.comptime import comptime
 
-from ..distributed import all_reduce_max
 from ..nn.linear import plan_for
 from ..nn.recompute import checkpoint_region
 from ..nn.weight_cache import WeightCache, quantize_weight
-from ..quantizers.tensorwise import DelayedScalingQuantizer
+from ..quantizers.reduction import all_reduce_max
 from ..runtime.state import AutocastFrame
 from ..schemes import Plan, Scheme, scheme_for
-from ..schemes.delayed.scheme import DelayedScalingScheme
 from .delayed import traced_delayed_plan
 
 
 @torch.compiler.substitute_in_graph(plan_for, skip_signature_check=True)
 def _traced_plan_for(module: Any, frame: AutocastFrame, weight: torch.Tensor) -> Plan:
     scheme = scheme_for(frame.recipe)
-    if isinstance(scheme, DelayedScalingScheme):
+    if scheme.stateful and type(scheme).traced_quantizers is not Scheme.traced_quantizers:
         return traced_delayed_plan(module, frame)
     if type(scheme).plan is not Scheme.plan:  # another stateful scheme
         raise RuntimeError(
@@ -44,7 +42,7 @@ def _traced_weight_quantize(
 ) -> Any:
     # The micro-batch cache is an eager optimisation: a compiled graph quantizes the weight
     # on every call (fused with its neighbours), which gives what the cache would hold.
-    if isinstance(quantizer, DelayedScalingQuantizer) and hasattr(type(weight), "fc_quantized"):
+    if getattr(quantizer, "from_history", False) and hasattr(type(weight), "fc_quantized"):
         # FSDP2 gathered this weight quantized for DelayedScaling; eager GEMMs take it as
         # gathered, but its quantizer (live scaling state) does not enter a graph, so the
         # trace would quantize the dequantized weight again: other codes, other amaxes.

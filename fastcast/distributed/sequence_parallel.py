@@ -26,8 +26,6 @@ from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel
 
-from ..nn.linear import Linear
-
 __all__ = ["QuantizedColwiseParallel"]
 
 
@@ -40,7 +38,9 @@ class QuantizedColwiseParallel(ColwiseParallel):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, Linear):  # nn.Linear, nn.Embedding: as ColwiseParallel
+        # fc.Linear (and fc.Conv1D) gather their input themselves; nn.Linear, nn.Embedding
+        # get ColwiseParallel's gather. (An attribute, not the class: nn is the layer above.)
+        if not getattr(module, "fc_gathers_sharded_input", False):
             return super()._apply(module, device_mesh)
         return distribute_module(
             module,

@@ -54,7 +54,7 @@ def quantize_tensorwise(
     columnwise: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     fmt = _FORMATS[dtype]
-    if scale is None:  # current scaling (CurrentScalingQuantizer), else quantize_with_scale
+    if scale is None:  # current scaling (scale from this tensor), else quantize_with_scale
         amax = tensor_amax(x)
         scale = scale_from_amax(amax, ELEMENT_MAX[fmt], power_2=power_2, epsilon=epsilon)
     data = scale_and_cast(x, scale, fmt)

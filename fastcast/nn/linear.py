@@ -71,6 +71,9 @@ class Linear(nn.Linear):
     # ``fc.convert(..., recipe=...)`` calls), by name: a checkpoint's delayed-scaling state
     # is then refused (strict) or dropped, not taken. None: no stateless recipe declared.
     _fc_stateless_for: str | None = None
+    # Given a sequence-sharded input DTensor, the layer all-gathers it itself, quantized
+    # where it can (``QuantizedColwiseParallel`` hands it over as it is).
+    fc_gathers_sharded_input: bool = True
 
     def __init__(
         self,

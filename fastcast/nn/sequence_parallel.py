@@ -1,66 +1,28 @@
 """Sequence parallelism: the quantized all-gather of a column-parallel layer's input.
 
-With sequence parallelism each rank holds a slice of the tokens (``Shard(1)`` after a
-``SequenceParallel`` norm, say) and a column-parallel layer needs them all. torch's
-``ColwiseParallel(input_layouts=Shard(1))`` all-gathers the slices in high precision
-before the layer runs; ``fastcast.distributed.QuantizedColwiseParallel`` hands the layer
-its slice instead (torchao's ``Float8ColwiseParallel`` is the model), and an ``fc.Linear``
-given a sequence-sharded input runs here. Under an enabled ``fc.autocast`` each rank
-quantizes its own slice's row-wise layout so that its codes and scales are those one
-process gets quantizing the whole input, and the group all-gathers them, one ``uint8``
-collective for codes and scales together; the forward GEMM takes the gathered operand.
+With sequence parallelism each rank holds a slice of the tokens and a column-parallel
+layer needs them all. ``fastcast.distributed.QuantizedColwiseParallel`` hands an
+``fc.Linear`` its slice, and under an enabled ``fc.autocast`` the layer runs here: each
+rank quantizes its slice's row-wise layout with the plan's input quantizer
+``over_shards`` the tokens (scales spanning the tokens from amaxes max-reduced over the
+group), and the group all-gathers the codes, with the scales where they are per token,
+in one ``uint8`` collective; the forward GEMM takes the gathered operand. The weight
+gradient contracts over the tokens: one scale for the whole tensor makes its operand the
+transposed gathered codes; otherwise each rank keeps its slice's column-wise layout,
+which backward all-gathers (a second collective).
 
-Per-tensor recipes (``Float8CurrentScaling``, ``DelayedScaling``): one global scale, so
-only the codes travel:
-
-- ``Float8CurrentScaling``: the slice's amax is max-reduced over the autocast's
-  ``amax_reduction_group`` (the tensor-parallel group when none is given), as for any
-  tensor-parallel input, so every rank casts with the scale of the whole input;
-- ``DelayedScaling``: every rank casts with its history's scale (the same on all ranks)
-  and records its slice's amax; the end-of-step reduction over the autocast's group (which
-  tensor parallelism requires to contain the TP group) makes it the whole input's amax.
-
-Casting with one scale is elementwise: the weight-gradient GEMM takes the transposed
-gathered codes (no second gather).
-
-Recipes with scales per token (``Float8RowwiseScaling``: one per token;
-``Float8BlockScaling``: per 1x128 block, or 128x128 tiles with ``x_block_scaling_dim=2``;
-``MXFP8BlockScaling``: per 1x32; ``NVFP4BlockScaling``: per 1x16, with its FP32 tensor
-scale from the amax max-reduced over the group): the row-wise scales are local to a token
-(a tile of 128 tokens with 128x128 tiles) and travel with the codes. The weight gradient
-contracts over the tokens, so its operand, the column-wise layout, scales along them: in
-forward each rank also quantizes its slice column-wise (the row-wise recipe's per-feature
-scales from the column amaxes max-reduced over the group; the blocks along the tokens are
-local where each rank's runs of consecutive tokens are multiples of the block: 128, 32,
-16; NVFP4's Hadamard transform over 16 tokens likewise, its tensor scale reduced) and
-keeps only that, 1/world of the whole operand; backward all-gathers those codes and block
-scales (a second ``uint8`` collective) before the weight-gradient GEMM. NVFP4's stochastic
-rounding applies to the output gradient only, which every rank quantizes over all the
-gathered tokens of its output features, as after the high-precision gather.
-
-Either way the operands are those one process makes of the gathered input: the output,
-the gradients and the delayed histories equal the high-precision gather's bit for bit.
-The input gradient (each rank's a partial sum over its output features) is
-reduce-scattered back to the slices in the gradient's dtype, by DTensor's ``Partial ->
-Shard`` redistribution, as the high-precision path does.
-
-Layers given the same input DTensor (q/k/v, or gate/up, after a ``SequenceParallel`` norm)
-share one forward gather where the quantizer depends on the input alone (every recipe but
-``DelayedScaling``, whose scales are each layer's own), where torch's style gathers once
-per layer; backward's column-wise gather is each layer's.
-
-The layer all-gathers the input in high precision itself (DTensor's redistribution: the
-same results as ``ColwiseParallel``'s gather) for ``CustomRecipe`` and
-``Float8RowwiseScaling(wgrad_high_precision=True)`` (its weight gradient takes the
-high-precision input); where a rank's runs of consecutive tokens (of the ``[R, K]``
-view) are not multiples of the recipe's block along the tokens; for an input sharded
-unevenly (a sequence length not a multiple of the group size), along the feature dim or
-over more than one mesh dim; for an empty input; and in code ``torch.compile`` traces.
+The invariant: the operands are those one process makes of the gathered input, so the
+outputs, gradients and delayed histories equal the high-precision gather's bit for bit.
+Which inputs can be gathered so is the scheme's geometry (``Scheme.scale_blocks`` of the
+input: each rank's run of consecutive tokens a multiple of the blocks along the tokens);
+the rest are gathered in high precision (DTensor's redistribution): quantizers that do
+not tell their geometry (``CustomRecipe``'s), a weight gradient in high precision, an
+uneven or feature-dim shard, an empty input, and code ``torch.compile`` traces. Layers
+given the same input DTensor share one forward gather where the quantizer is ``pure``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -69,67 +31,43 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 
 from ..distributed.collectives import all_gather_into
 from ..gemm import operands_product
-from ..quantizers.base import transposed_codes
-from ..quantizers.block import BlockScalingQuantizer
-from ..quantizers.mx import MXFP8Quantizer
-from ..quantizers.nvfp4 import NVFP4Quantizer
-from ..quantizers.tensorwise import CurrentScalingQuantizer
-from ..recipe import (
-    DelayedScaling,
-    Float8BlockScaling,
-    Float8CurrentScaling,
-    Float8RowwiseScaling,
-    MXFP8BlockScaling,
-    NVFP4BlockScaling,
+from ..quantizers.base import (
+    PER_TENSOR_BLOCKS,
+    is_pure,
+    over_shards,
+    shard_multiple,
+    transposed_codes,
 )
+from ..quantizers.reduction import GroupMax
 from ..reference.cast import as_matrix
+from ..schemes import scheme_for
 from ..tensor import WHOLE, QuantizedTensor
 from .function import _restore_tensors, _strip_tensors, bias_grad, forward_gemm
-from .sharded_quantizers import ShardedNVFP4Quantizer, ShardedRowwiseQuantizer
 
-__all__ = ["PER_TENSOR", "TOKEN_BLOCKS", "GatheredLinear", "InputGather", "input_gather"]
-
-# Recipes whose input is gathered in FP8 (one scale per tensor: nothing but codes to move).
-PER_TENSOR = (Float8CurrentScaling, DelayedScaling)
-
-# The other recipes gathered quantized, with the block their column-wise input layout
-# scales along the tokens: each rank's run of consecutive tokens must be a multiple of it
-# (1: the row-wise recipe's per-feature column scale spans every token, its amaxes are
-# max-reduced over the group instead).
-TOKEN_BLOCKS = {
-    Float8RowwiseScaling: 1,
-    Float8BlockScaling: 128,
-    MXFP8BlockScaling: 32,
-    NVFP4BlockScaling: 16,
-}
-
-# Quantizers that depend on their input alone (value objects): layers given the same
-# input DTensor share one gather.
-_SHAREABLE = (
-    CurrentScalingQuantizer,
-    ShardedRowwiseQuantizer,
-    BlockScalingQuantizer,
-    MXFP8Quantizer,
-    ShardedNVFP4Quantizer,
-)
+__all__ = ["GatheredLinear", "InputGather", "input_gather"]
 
 
-def _token_block(recipe: Any) -> int | None:
+def _token_block(recipe: Any) -> tuple[int, bool] | None:
     """What each rank's run of tokens must be a multiple of for ``recipe``'s quantized
-    gather, or None where the input is gathered in high precision."""
-    if isinstance(recipe, PER_TENSOR):
-        return 1
-    if isinstance(recipe, Float8RowwiseScaling) and recipe.wgrad_high_precision:
+    gather (the input's blocks along the tokens, in either layout), and whether its
+    row-wise scales are per token (travelling with the codes); None where the input is
+    gathered in high precision (a weight gradient that takes it, geometry not known)."""
+    scheme = scheme_for(recipe)
+    if scheme.wgrad_high_precision(recipe):
         return None  # its wgrad takes the high-precision input: gathered as it is
-    return next((b for t, b in TOKEN_BLOCKS.items() if isinstance(recipe, t)), None)
+    blocks = scheme.scale_blocks(recipe, "input")
+    if blocks is None:
+        return None
+    return shard_multiple(blocks, 0), blocks[0][0] != PER_TENSOR_BLOCKS[0][0]
 
 
 def input_gather(x: DTensor, mesh: Any, recipe: Any) -> InputGather | None:
     """The quantized gather of a layer's sequence-sharded input ``x`` under ``recipe``,
     or None where the high-precision gather runs (see the module docstring)."""
-    block = _token_block(recipe)
-    if block is None or len(x.placements) != 1:
+    geometry = _token_block(recipe)
+    if geometry is None or len(x.placements) != 1:
         return None
+    block, scaled = geometry
     if torch.compiler.is_compiling():
         return None
     placement = x.placements[0]
@@ -144,7 +82,7 @@ def input_gather(x: DTensor, mesh: Any, recipe: Any) -> InputGather | None:
     run = x.shape[dim] // world * math.prod(x.shape[dim + 1 : -1])
     if run % block:
         return None
-    return InputGather(mesh, world, dim, x.shape, not isinstance(recipe, PER_TENSOR))
+    return InputGather(mesh, world, dim, x.shape, scaled)
 
 
 class InputGather:
@@ -171,11 +109,7 @@ class InputGather:
         the scales spanning the tokens come from the whole input's amaxes, max-reduced over
         the group (row-wise: the column-wise layout's per-feature scales; NVFP4: the
         tensor scales). Block scales along the tokens are local (``input_gather``)."""
-        if isinstance(quantizer, ShardedRowwiseQuantizer):
-            return dataclasses.replace(quantizer, group=self.group, reduce_columns=True)
-        if isinstance(quantizer, NVFP4Quantizer):
-            return ShardedNVFP4Quantizer(quantizer, self.group)
-        return quantizer
+        return over_shards(quantizer, GroupMax(self.group), 0)
 
     def gathered(
         self, source: DTensor, x: torch.Tensor, quantizer: Any, columnwise: bool = False
@@ -193,7 +127,7 @@ class InputGather:
         at the end of the step: each layer gathers its own."""
         quantizer = self.slice_quantizer(quantizer)
         columnwise = columnwise and self.scaled
-        shareable = isinstance(quantizer, _SHAREABLE)
+        shareable = is_pure(quantizer)
         if shareable:
             versions = (source._version, x._version)
             kept = getattr(source, _SHARED, None)

@@ -9,24 +9,13 @@ redistributions, and DTensor's autograd, do all the communication of activations
 gradients. Outside autocast the layer is ``F.linear`` on DTensors, as for ``nn.Linear``.
 
 A scale that spans the sharded dimension must come from the whole tensor, so that every
-rank quantizes its shard exactly as one process quantizes the whole tensor:
-
-- per-tensor scales (``Float8CurrentScaling``): the weight's amax is max-reduced over the
-  tensor-parallel group, input and gradient amaxes over the autocast's
-  ``amax_reduction_group`` (the tensor-parallel group when none is given);
-- ``DelayedScaling``: the amax histories are reduced by the autocast's
-  ``amax_reduction_group``, which must then be given and contain the tensor-parallel
-  group (the data-parallel x tensor-parallel world, say);
-- ``Float8RowwiseScaling``: the row amaxes of the layouts whose rows run along the
-  sharded dimension (``ColwiseParallel``: the gradient per token and the weight per input
-  feature; ``RowwiseParallel``: the input per token and the weight per output feature)
-  are max-reduced over the tensor-parallel group, one small all-reduce per layout;
-- block scales (``Float8BlockScaling`` 128, ``MXFP8BlockScaling`` 32,
-  ``NVFP4BlockScaling`` 16) are local when every shard boundary falls on a block
-  boundary, which is required (a ``ValueError`` names the sizes otherwise);
-  ``NVFP4BlockScaling``'s FP32 tensor scales of the sharded operands are max-reduced
-  over the tensor-parallel group (``ShardedNVFP4Quantizer``);
-- ``CustomRecipe``: its quantizers see the local shards as they are.
+rank quantizes its shard exactly as one process quantizes the whole tensor. The scheme
+decides how (``Scheme.sharded_plan``, given the roles each style splits): scales spanning
+the split take amaxes max-reduced over the tensor-parallel group (per tensor, per row,
+NVFP4's tensor scale); blocks along it stay local, and every shard boundary must fall on
+a block boundary (a ``ValueError`` names the sizes otherwise); a stateful scheme reduces
+its histories over the autocast's ``amax_reduction_group``, which must then contain the
+tensor-parallel group; quantizers that say nothing (``CustomRecipe``'s) see their shards.
 
 ``ColwiseParallel`` (weight ``Shard(0)``): input replicated, output ``Shard(-1)``; the
 input gradient is a partial sum that DTensor reduces. A sequence-sharded input (which
@@ -47,7 +36,7 @@ data-parallel group's shards only.
 
 from __future__ import annotations
 
-import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -55,19 +44,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..recipe import (
-    DelayedScaling,
-    Float8BlockScaling,
-    Float8CurrentScaling,
-    Float8RowwiseScaling,
-    MXFP8BlockScaling,
-    NVFP4BlockScaling,
-)
+from ..quantizers.base import ROLES, scale_blocks, shard_multiple
 from ..runtime.state import AutocastFrame
 from ..schemes import Plan, scheme_for
 from .function import LinearFunction, forward_gemm
 from .sequence_parallel import InputGather, input_gather
-from .sharded_quantizers import ShardedNVFP4Quantizer, ShardedRowwiseQuantizer
 
 COLWISE = "colwise"  # weight Shard(0): output features split
 ROWWISE = "rowwise"  # weight Shard(1): input features (the contraction) split
@@ -75,7 +56,6 @@ ROWWISE = "rowwise"  # weight Shard(1): input features (the contraction) split
 __all__ = [
     "COLWISE",
     "ROWWISE",
-    "ShardedRowwiseQuantizer",
     "calibrate",
     "linear_forward",
     "replicated_input",
@@ -245,8 +225,14 @@ def _local_linear(
 
 # -- plans ---------------------------------------------------------------------------------
 
-# The block along each GEMM dim of the block-scaled recipes: shards must be multiples.
-_BLOCKS = {Float8BlockScaling: 128, MXFP8BlockScaling: 32, NVFP4BlockScaling: 16}
+# The roles whose tensors each style splits across the group, and along which dim of
+# their [R, K] view: the scheme's quantizers reduce what spans the split (over_shards).
+_SPLITS = {
+    # y[:, n-shard] = x @ W[n-shard].T: the weight's rows and the gradient's columns.
+    COLWISE: {"weight": 0, "grad_output": 1},
+    # y = x[:, k-shard] @ W[:, k-shard].T (summed): the contraction dim of both.
+    ROWWISE: {"input": 1, "weight": 1},
+}
 
 
 def _plan(module: Any, frame: AutocastFrame, style: str, mesh: Any, w: torch.Tensor) -> Plan:
@@ -267,65 +253,19 @@ def _plan(module: Any, frame: AutocastFrame, style: str, mesh: Any, w: torch.Ten
 
 
 def _build_plan(module: Any, frame: AutocastFrame, style: str, mesh: Any, w: torch.Tensor) -> Plan:
-    recipe = frame.recipe
-    scheme = scheme_for(recipe)
     tp_group = mesh.get_group()
     if frame.group is not None:
         _check_contains(frame.group, tp_group)
-    if isinstance(recipe, DelayedScaling):
-        if frame.group is None:
-            raise ValueError(
-                "DelayedScaling on a tensor-parallel layer needs "
-                "fc.autocast(amax_reduction_group=...) containing the tensor-parallel group, "
-                "so that every shard's amax reaches the one history all ranks scale from"
-            )
-        return scheme.plan(frame, module._scheme_state, w.device)
-    block = next((b for t, b in _BLOCKS.items() if isinstance(recipe, t)), None)
-    if block is not None:
-        _check_blocks(w, style, block, recipe)
-    row_alignment = scheme.row_alignment(recipe)
-    hp_wgrad = scheme.wgrad_high_precision(recipe)
-    if isinstance(recipe, Float8CurrentScaling):
-        # Input and gradient: over the autocast's group (or the TP group); the weight
-        # shards of one tensor: over the TP group (the data-parallel replicas are equal).
-        group = frame.group if frame.group is not None else tp_group
-        quantizers = tuple(scheme.quantizer(recipe, role, group) for role in _ROLES)
-        quantizers = (
-            quantizers[0],
-            dataclasses.replace(quantizers[1], amax_reduction_group=tp_group),
-            quantizers[2],
-        )
-    elif isinstance(recipe, Float8RowwiseScaling):
-        reduce = _ROWWISE_REDUCTIONS[style]
-        quantizers = tuple(
-            ShardedRowwiseQuantizer(scheme.quantizer(recipe, role), tp_group, *reduce[role])
-            for role in _ROLES
-        )
-    elif isinstance(recipe, NVFP4BlockScaling):
-        sharded = _NVFP4_SHARDED[style]
-        quantizers = tuple(
-            ShardedNVFP4Quantizer(q, tp_group) if role in sharded else q
-            for role, q in zip(_ROLES, scheme.quantizers(recipe, frame.group))
-        )
-    else:
-        quantizers = scheme.quantizers(recipe, frame.group)
-    return Plan(recipe, frame.group, quantizers, row_alignment, hp_wgrad)
-
-
-_ROLES = ("input", "weight", "grad_output")
-
-# Row-wise recipe: (reduce the row-wise layout's row amaxes, reduce the column-wise
-# layout's) per role, by style: reduced where that layout's rows run along the sharded dim.
-_ROWWISE_REDUCTIONS = {
-    # y[:, n-shard] = x @ W[n-shard].T; dgrad contracts over n (sharded), wgrad over tokens.
-    COLWISE: {"input": (False, False), "weight": (False, True), "grad_output": (True, False)},
-    # y = x[:, k-shard] @ W[:, k-shard].T (summed); forward contracts over k (sharded).
-    ROWWISE: {"input": (True, False), "weight": (True, False), "grad_output": (False, False)},
-}
-
-
-# NVFP4: the roles whose tensor is split across the group (their tensor scales reduced).
-_NVFP4_SHARDED = {COLWISE: ("weight", "grad_output"), ROWWISE: ("input", "weight")}
+    splits = _SPLITS[style]
+    scheme = scheme_for(frame.recipe)
+    plan = scheme.sharded_plan(frame, module._scheme_state, w.device, splits, tp_group)
+    quantizers = dict(zip(ROLES, (plan.input_q, plan.weight_q, plan.grad_q)))
+    block = math.lcm(
+        *(shard_multiple(scale_blocks(quantizers[role]), dim) for role, dim in splits.items())
+    )
+    if block > 1:
+        _check_blocks(w, style, block, frame.recipe)
+    return plan
 
 
 def _check_contains(group: Any, tp_group: Any) -> None:

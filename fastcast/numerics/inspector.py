@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from ..nn.linear import Linear
-from ..quantizers.tensorwise import DelayedScalingQuantizer
 from ..runtime import observers
 from ..runtime.state import get_stack, outermost_active
 from .report import Report, check_threshold
@@ -203,7 +202,8 @@ class Inspector(observers.Observer):
     def _observe(self, tap: _Tap, x: torch.Tensor, q: Any) -> None:
         if not self._active:  # a backward that outlived stop() (its call kept the taps)
             return
-        margin = tap.margin if isinstance(tap.inner, DelayedScalingQuantizer) else None
+        # Headroom against the margin where the scale is a history's, not the tensor's.
+        margin = tap.margin if getattr(tap.inner, "from_history", False) else None
         for layout in LAYOUTS:
             present = q.has_rowwise if layout == "rowwise" else q.has_columnwise
             if present:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, ClassVar
 
 import torch
 
@@ -20,7 +21,7 @@ from ..runtime.observers import attached as _observers
 from ..runtime.observers import begin as _begin
 from ..runtime.observers import end as _end
 from ..tensor import Float8Tensor
-from .base import check_fp8_format, check_input
+from .base import Blocks, check_fp8_format, check_input
 
 TILE_ROWS = {1: 1, 2: TILE}  # block_dim -> tile extent along R
 
@@ -108,10 +109,19 @@ class BlockScalingQuantizer:
                 f"{name}: amax_epsilon must be a finite number >= 0, got {self.amax_epsilon!r}"
             )
 
+    pure: ClassVar[bool] = True
+
     @property
     def block(self) -> tuple[int, int]:
         """The tile shape ``(rows, cols)`` of the row-wise layout."""
         return (TILE_ROWS[self.block_dim], TILE)
+
+    @property
+    def scale_blocks(self) -> Blocks:
+        return (self.block, self.block)
+
+    def over_shards(self, reduce: Any, dim: int) -> BlockScalingQuantizer:
+        return self  # every scale is a tile's: local where shards hold whole tiles
 
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False

@@ -8,7 +8,7 @@ the block keeps its precision. Only finite values beyond the element max saturat
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -20,7 +20,7 @@ from ..runtime.observers import attached as _observers
 from ..runtime.observers import begin as _begin
 from ..runtime.observers import end as _end
 from ..tensor import MXFP8Tensor
-from .base import check_fp8_format, check_input
+from .base import Blocks, check_fp8_format, check_input
 
 SCALE_RULES = ("rceil", "ocp")
 
@@ -77,6 +77,11 @@ class MXFP8Quantizer:
     scale_rule: str = "rceil"
 
     block: ClassVar[tuple[int, int]] = (1, MX_BLOCK)
+    scale_blocks: ClassVar[Blocks] = (block, block)
+    pure: ClassVar[bool] = True
+
+    def over_shards(self, reduce: Any, dim: int) -> MXFP8Quantizer:
+        return self  # every scale is a block's: local where shards hold whole blocks
 
     def __post_init__(self) -> None:
         name = type(self).__name__

@@ -53,13 +53,15 @@ from ..reference import hadamard
 from ..reference.cast import as_matrix
 from ..reference.nvfp4 import (
     BLOCK,
+    global_amax,
     quantize_reference,
 )
 from ..runtime.observers import attached as _observers
 from ..runtime.observers import begin as _begin
 from ..runtime.observers import end as _end
 from ..tensor import NVFP4Tensor
-from .base import check_input
+from .base import Blocks, check_input
+from .sharded import ShardedNVFP4Quantizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +100,24 @@ class NVFP4Quantizer:
                     "(block_2d=True) share one quantization between the layouts"
                 )
             object.__setattr__(self, "rht", tuple(self.rht))
+
+    @property
+    def scale_blocks(self) -> Blocks:
+        block = (BLOCK if self.block_2d else 1, BLOCK)
+        return (block, block)
+
+    @property
+    def pure(self) -> bool:
+        return not self.stochastic_rounding
+
+    def over_shards(self, reduce: Any, dim: int) -> Any:
+        """The blocks are local; the FP32 tensor scale spans every shard."""
+        return ShardedNVFP4Quantizer(self, reduce)
+
+    def shard_amax(self, x: torch.Tensor, dim: int) -> torch.Tensor | None:
+        if self.rht is not None:  # two tensor scales: the quantize reduces them itself
+            return None
+        return global_amax(as_matrix(x).float().abs())
 
     def quantize(
         self,

@@ -14,19 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ..formats import ELEMENT_MAX, FP8_DTYPES
 from ..kernels import fused_op
 from ..reference.cast import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
-from ..reference.rows import quantize_rows_reference
+from ..reference.rows import quantize_rows_reference, row_amax
 from ..runtime.observers import attached as _observers
 from ..runtime.observers import begin as _begin
 from ..runtime.observers import end as _end
 from ..tensor import Float8Tensor
-from .base import check_fp8_format, check_input, transposed_codes
+from .base import Blocks, check_fp8_format, check_input, transposed_codes
+from .sharded import ShardedRowwiseQuantizer
 
 PER_ROW = (1, 0)  # the block of one scale per row (``tensor.QuantizedTensor``)
 
@@ -71,6 +72,23 @@ class RowwiseQuantizer:
             value = getattr(self, field)
             if not isinstance(value, bool):
                 raise ValueError(f"{name}: {field} must be a bool, got {value!r}")
+
+    scale_blocks: ClassVar[Blocks] = (PER_ROW, PER_ROW)
+    pure: ClassVar[bool] = True
+
+    def over_shards(self, reduce: Any, dim: int) -> Any:
+        """Split along K: the row-wise layout's rows span the shards; along the rows: the
+        column-wise layout's; either way ``columnwise_per_tensor``'s one amax."""
+        return ShardedRowwiseQuantizer(
+            self, reduce, dim == 1, dim == 0 or self.columnwise_per_tensor
+        )
+
+    def shard_amax(self, x: torch.Tensor, dim: int) -> torch.Tensor | None:
+        m = as_matrix(x)
+        if self.columnwise_per_tensor:
+            # Along the rows its one amax; along K that and the rows': not one tensor.
+            return tensor_amax(m) if dim == 0 else None
+        return row_amax(m, dim)  # what the layout whose rows span ``dim`` reduces
 
     def _scale(self, amax: torch.Tensor) -> torch.Tensor:
         return scale_from_amax(amax, ELEMENT_MAX[self.fmt], power_2=self.power_2_scales)

@@ -14,7 +14,8 @@ earlier steps, so the other elements are quantized exactly as without the inf, a
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
@@ -26,7 +27,14 @@ from ..runtime.observers import attached as _observers
 from ..runtime.observers import begin as _begin
 from ..runtime.observers import end as _end
 from ..tensor import WHOLE, Float8Tensor
-from .base import check_fp8_format, check_input, transposed_codes
+from .base import (
+    PER_TENSOR_BLOCKS,
+    Blocks,
+    check_fp8_format,
+    check_input,
+    transposed_codes,
+)
+from .reduction import GroupMax, all_reduce_max
 
 
 def quantize_with_scale(
@@ -104,9 +112,31 @@ class CurrentScalingQuantizer:
     power_2_scales: bool = False
     amax_epsilon: float = 0.0
     amax_reduction_group: Any = None
+    # Any other amax reducer (``over_shards``): the FSDP2 gather's, which keeps reductions.
+    reduce_amax: Callable[[torch.Tensor], Any] | None = None
+
+    scale_blocks: ClassVar[Blocks] = PER_TENSOR_BLOCKS
+    pure: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_fp8_format(type(self).__name__, self.fmt)
+
+    def over_shards(self, reduce: Any, dim: int) -> CurrentScalingQuantizer:
+        """One scale spans every shard: its amax is reduced (already, with a group: the
+        autocast's, which contains the shards')."""
+        if self.amax_reduction_group is not None or self.reduce_amax is not None:
+            return self
+        if isinstance(reduce, GroupMax):
+            return dataclasses.replace(self, amax_reduction_group=reduce.group)
+        return dataclasses.replace(self, reduce_amax=reduce)
+
+    def shard_amax(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return tensor_amax(x)
+
+    def scale_for(self, amax: torch.Tensor) -> torch.Tensor:
+        return scale_from_amax(
+            amax, ELEMENT_MAX[self.fmt], power_2=self.power_2_scales, epsilon=self.amax_epsilon
+        )
 
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
@@ -114,7 +144,7 @@ class CurrentScalingQuantizer:
         opened = _begin("fastcast.quantize.tensorwise") if _observers else None  # observer point
         try:
             check_input(x)
-            if self.amax_reduction_group is None:
+            if self.amax_reduction_group is None and self.reduce_amax is None:
                 op = tensorwise_op(x)
                 if op is not None:  # amax, scale and cast in one operator
                     fmt, power_2, epsilon = self.fmt, self.power_2_scales, self.amax_epsilon
@@ -127,16 +157,10 @@ class CurrentScalingQuantizer:
                     )
             amax = tensor_amax(x)
             if self.amax_reduction_group is not None:
-                from ..distributed import all_reduce_max  # noqa: PLC0415 - only with a group
-
                 all_reduce_max(amax, self.amax_reduction_group)
-            scale = scale_from_amax(
-                amax,
-                ELEMENT_MAX[self.fmt],
-                power_2=self.power_2_scales,
-                epsilon=self.amax_epsilon,
-            )
-            return quantize_with_scale(x, scale, self.fmt, rowwise, columnwise)
+            elif self.reduce_amax is not None:
+                self.reduce_amax(amax)
+            return quantize_with_scale(x, self.scale_for(amax), self.fmt, rowwise, columnwise)
         finally:
             if opened is not None:
                 _end(opened)
@@ -153,18 +177,44 @@ class DelayedScalingQuantizer:
     re-points them when it grows. It holds live state, so it keeps identity semantics.
     """
 
-    __slots__ = ("meta", "index", "fmt", "recording")
+    __slots__ = ("meta", "index", "fmt", "recording", "read")
 
-    def __init__(self, meta: Any, index: int, fmt: str = "e4m3") -> None:
+    scale_blocks: ClassVar[Blocks] = PER_TENSOR_BLOCKS
+    from_history: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        meta: Any,
+        index: int,
+        fmt: str = "e4m3",
+        read: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         check_fp8_format(type(self).__name__, fmt)
         self.meta = meta
         self.index = index
         self.fmt = fmt
         self.recording = True
+        # How the scale view is read: compiled code reads a snapshot (fastcast.compile).
+        self.read = read
 
     @property
     def scale(self) -> torch.Tensor:
-        return self.meta.scale_views[self.index]
+        view = self.meta.scale_views[self.index]
+        return view if self.read is None else self.read(view)
+
+    def over_shards(self, reduce: Any, dim: int) -> DelayedScalingQuantizer:
+        # Each shard records its own amax; the step's update reduces the history over
+        # the autocast's group, which must then contain the shards' ranks.
+        return self
+
+    def casts_like(self, other: object) -> bool:
+        """Any eager quantizer over the same scale slot (plans are rebuilt)."""
+        return (
+            type(other) is DelayedScalingQuantizer
+            and other.read is None
+            and other.meta is self.meta
+            and other.index == self.index
+        )
 
     def quantize(
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
@@ -197,6 +247,8 @@ class FixedScaleQuantizer:
     replays the scales of the original forward this way)."""
 
     __slots__ = ("scale", "fmt")
+
+    scale_blocks: ClassVar[Blocks] = PER_TENSOR_BLOCKS
 
     def __init__(self, scale: torch.Tensor, fmt: str) -> None:
         self.scale = scale

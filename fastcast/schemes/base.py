@@ -1,20 +1,20 @@
 """What a recipe means: the scheme protocol, the plan a module runs, the registry.
 
-A scheme is the one place that knows, for one recipe type, its GEMM family, the
-alignment its layers need, how to build quantizers for a (recipe, group) pair, and, for
-stateful recipes, the lifecycle hooks (per call, per backward, on autocast exit) and
-the per-module state (``ModuleState``, saved through a ``StateFormat``). Schemes
-register by recipe type; adding a recipe is a recipe class, a scheme and a quantizer
-module, with nothing else edited.
+A scheme is the one place that knows what a recipe type means; every consumer (layers,
+parallelism, the FSDP2 gather, compile, checkpoints) asks it, and its quantizers
+(``quantizers.base.Quantizer``), never a recipe class. Schemes register by recipe type
+(``register_scheme``, the public extension point).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import torch
 
-from ..quantizers.base import ROLES, Quantizer
+from ..quantizers.base import ROLES, Blocks, Quantizer, over_shards, scale_blocks
+from ..quantizers.reduction import GroupMax
 from ..recipe import Recipe
 from ..runtime.hardware import default_device_type, gemm_backend
 from ..runtime.state import AutocastFrame
@@ -135,10 +135,32 @@ def reset_module_state(module_state: dict[Any, ModuleState]) -> None:
 
 class Scheme:
     """The meaning of one recipe type. Subclasses set ``family`` and ``quantizer``;
-    stateful ones override ``plan`` too."""
+    stateful ones set ``stateful`` and override ``plan`` (and ``sharded_plan``,
+    ``state_weight_quantizer``, ``traced_quantizers``) too.
+
+    What a scheme answers, each with a default that fits a stateless scheme whose
+    quantizers say what they are (``Quantizer``'s optional attributes):
+
+    - ``family``, ``support``: which GEMM family and hardware capability it needs;
+    - ``alignment``, ``row_alignment``: what a layer's features and token count must be
+      multiples of; ``keeps_head``, ``wgrad_high_precision``;
+    - ``quantizer(s)``: a quantizer per role (input, weight, grad_output), activation and
+      gradient amaxes reduced over the autocast's group where the scheme needs it;
+    - ``scale_blocks(recipe, role)``: the block geometry of a role's two layouts along
+      each dim (what parallel layers and the FSDP2 gather check shards against);
+    - ``sharded_plan``: the plan for a layer whose tensors are split across a group
+      (tensor parallelism: scales that span the split are reduced over it);
+    - ``stateful``, ``prepare``, ``plan``: per-module state (saved through its
+      ``StateFormat``); ``weight_format``; ``state_weight_quantizer``: a stateful
+      scheme's weight quantizer from the module's state; ``traced_quantizers``: its
+      quantizers in compiled code.
+    """
 
     # The GEMM family (``tensor.FAMILIES``); None: the quantizers decide, GEMM by GEMM.
     family: ClassVar[str | None] = None
+
+    # Whether plans keep per-module state (amax histories): the scheme overrides ``plan``.
+    stateful: ClassVar[bool] = False
 
     def alignment(self, recipe: Recipe) -> int:
         """What a layer's in and out features must be multiples of to be converted."""
@@ -170,6 +192,59 @@ class Scheme:
     def quantizers(self, recipe: Recipe, group: Any = None) -> tuple[Quantizer, ...]:
         """``(input, weight, grad_output)`` quantizers."""
         return tuple(self.quantizer(recipe, role, group) for role in ROLES)
+
+    def scale_blocks(self, recipe: Recipe, role: str) -> Blocks | None:
+        """``(block, block_t)`` of ``role``'s layouts (``Quantizer.scale_blocks``); None
+        where the quantizer does not say."""
+        return scale_blocks(self.quantizer(recipe, role))
+
+    def sharded_plan(
+        self,
+        frame: AutocastFrame,
+        module_state: dict[Any, ModuleState],
+        device: torch.device,
+        splits: dict[str, int],
+        group: Any,
+    ) -> Plan:
+        """The plan of a layer whose role tensors are split across ``group`` along
+        ``splits[role]`` (a dim of their ``[R, K]`` view; a role not in ``splits`` is
+        whole on every rank): each split role's quantizer ``over_shards`` an all-reduce
+        max over ``group``, so that every rank casts its shard as one process casts the
+        whole tensor (tensor parallelism)."""
+        recipe = frame.recipe
+        reduce = GroupMax(group)
+        quantizers = tuple(
+            over_shards(q, reduce, splits[role]) if role in splits else q
+            for role, q in zip(ROLES, self.quantizers(recipe, frame.group))
+        )
+        return Plan(
+            recipe,
+            frame.group,
+            quantizers,
+            self.row_alignment(recipe),
+            self.wgrad_high_precision(recipe),
+        )
+
+    def weight_format(self, recipe: Recipe) -> str:
+        """The element format of ``recipe``'s weights."""
+        return self.quantizer(recipe, "weight").fmt
+
+    def state_weight_quantizer(
+        self, recipe: Recipe, module_state: dict[Any, ModuleState]
+    ) -> Quantizer:
+        """A stateful scheme's weight quantizer outside its autocast: the module's
+        current weight scale, recording nothing (the FSDP2 gather of an evaluation)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no per-module state")
+
+    def traced_quantizers(
+        self,
+        recipe: Recipe,
+        module_state: dict[Any, ModuleState],
+        read: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[Quantizer, Quantizer, Quantizer] | None:
+        """A stateful scheme's quantizers in compiled code, reading their state through
+        ``read``; None: it does not run compiled."""
+        return None
 
     def prepare(
         self, recipe: Recipe, module_state: dict[Any, ModuleState], device: torch.device

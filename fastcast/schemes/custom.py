@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..quantizers.base import Quantizer
+from ..quantizers.base import Blocks, Quantizer, scale_blocks
 from ..recipe import CustomRecipe
 from .base import Scheme, register_scheme
 
@@ -24,3 +24,10 @@ class CustomScheme(Scheme):
                 "which has no quantize(x, rowwise=..., columnwise=...) method"
             )
         return quantizer
+
+    def scale_blocks(self, recipe: CustomRecipe, role: str) -> Blocks | None:
+        try:  # the user's factory may not make a quantizer for every role
+            quantizer = self.quantizer(recipe, role)
+        except TypeError:
+            return None
+        return scale_blocks(quantizer)

@@ -91,6 +91,7 @@ TE_ALLOW_LIST: AllowList = TORCH_ALLOW_LIST.extended(
     buildable=_TE_GLOBALS,
 )
 
+
 def hashable(key: Any) -> bool:
     try:
         hash(key)

@@ -39,17 +39,17 @@ from .gathered import GatheredQuantizedWeight
 from .tensorwise import GatheredFloat8Weight, weight_format, weight_quantizer
 from .weight import (
     GATHERED,
-    SUPPORTED,
     FSDPFloat8Weight,
     check_recipe,
     enable_quantized_all_gather,
+    gather_kind,
     plain_weight_in_state_dict,
     precompute_float8_scales,
 )
 
 __all__ = [
     "GATHERED",
-    "SUPPORTED",
+    "gather_kind",
     "FSDPFloat8Weight",
     "GatheredFloat8Weight",
     "GatheredQuantizedWeight",

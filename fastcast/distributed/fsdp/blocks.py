@@ -1,28 +1,16 @@
-"""The block-scaled recipes' gathered weight: ``Float8RowwiseScaling``,
-``Float8BlockScaling``, ``MXFP8BlockScaling``, ``NVFP4BlockScaling``.
+"""The gathered weight of recipes whose weight scales are per row or per block (any
+``Scheme.scale_blocks`` other than one scale per tensor).
 
 Each rank quantizes its shard (rows ``[r0, r1)`` of the ``[out, in]`` weight) with the
-recipe's weight quantizer, and FSDP2 gathers the codes and the block scales. The result
-is what that quantizer makes of the whole weight, code for code and scale for scale,
-when every block of every layout the GEMMs take lies inside one shard:
-
-- the row-wise layout (forward GEMM) scales blocks along ``in``: per row (row-wise), 1x128
-  or 128x128 tiles (block), 1x32 (MXFP8), 1x16 or 16x16 (NVFP4): local to the rows;
-- the column-wise layout (the input gradient's GEMM) scales blocks along ``out``: the
-  128x128 and 16x16 tiles are the row-wise ones transposed (nothing more goes on the
-  wire: the gathered weight transposes them); 1x32 (MXFP8), 1x128 and 1x16 blocks along
-  ``out`` need shards of whole blocks and travel as a second set of codes and scales;
-  row-wise scaling's per-column scales span every shard: their amaxes (one per input
-  feature, or one per tensor with ``wgrad_high_precision``) are max-reduced over the
-  FSDP group, each rank casts its shard with them, and they go as metadata;
-- NVFP4's FP32 tensor scale comes from the global amax (max-reduced over the group).
-
-A weight whose rows do not split into equal shards of whole blocks (``row_alignment``)
-is gathered in high precision instead, with one warning naming it (the single-process
-quantization of the gathered weight then applies, as without ``quantized_all_gather``).
-
-Reductions are kept while the weight is unchanged (its version and the optimizer steps),
-so backward's re-gather casts again without a collective.
+recipe's weight quantizer ``over_shards`` the rows, and FSDP2 gathers the codes and the
+block scales. The invariant: the result is what that quantizer makes of the whole weight,
+code for code and scale for scale. Blocks along the rows must lie inside one shard
+(``row_alignment``; else the weight is gathered in high precision, with one warning);
+scales spanning the rows (per column, NVFP4's tensor scale) take amaxes max-reduced over
+the FSDP group and go as metadata; layouts whose blocks are equal (square tiles) gather
+once, the column-wise one being the row-wise one transposed. Reductions are kept while
+the weight is unchanged (its version and the optimizer steps), so backward's re-gather
+casts again without a collective.
 """
 
 from __future__ import annotations
@@ -35,29 +23,27 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...quantizers.block import BlockScalingQuantizer
-from ...quantizers.mx import MXFP8Quantizer
-from ...quantizers.nvfp4 import NVFP4Quantizer
-from ...quantizers.rowwise import RowwiseQuantizer
-from ...recipe import (
-    Float8BlockScaling,
-    Float8RowwiseScaling,
-    MXFP8BlockScaling,
-    NVFP4BlockScaling,
-    Recipe,
+from ...quantizers.base import (
+    PER_TENSOR_BLOCKS,
+    over_shards,
+    scale_blocks,
+    shard_amax,
+    shard_multiple,
 )
-from ...reference.cast import as_matrix, tensor_amax
-from ...reference.mx import MX_BLOCK
-from ...reference.nvfp4 import BLOCK, global_amax, pack_e2m1
-from ...reference.rows import row_amax
-from ...reference.tiles import TILE
+from ...quantizers.reduction import all_reduce_max
+from ...recipe import Recipe
+from ...reference.cast import as_matrix
+from ...reference.nvfp4 import pack_e2m1
 from ...runtime.state import optimizer_steps
 from ...schemes import scheme_for
-from ...tensor import NVFP4Tensor
-from ..amax import all_reduce_max
 from ..collectives import all_gather_into
 
-BLOCK_RECIPES = (Float8RowwiseScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)
+
+def supports(recipe: Recipe) -> bool:
+    """Whether ``recipe``'s weight gathers here: its quantizer tells its scale blocks,
+    and they are not one per tensor (``tensorwise``)."""
+    blocks = scheme_for(recipe).scale_blocks(recipe, "weight")
+    return blocks is not None and blocks != PER_TENSOR_BLOCKS
 
 
 def weight_quantizer(recipe: Recipe) -> Any:
@@ -66,22 +52,22 @@ def weight_quantizer(recipe: Recipe) -> Any:
 
 
 def transposable(quantizer: Any) -> bool:
-    """Whether the column-wise layout is the row-wise one transposed (square tiles)."""
-    if isinstance(quantizer, BlockScalingQuantizer):
-        return quantizer.block_dim == 2
-    return isinstance(quantizer, NVFP4Quantizer) and quantizer.block_2d
+    """Whether the column-wise layout is the row-wise one transposed (its blocks are the
+    row-wise ones transposed: square tiles)."""
+    blocks = scale_blocks(quantizer)
+    return blocks is not None and blocks[1] == blocks[0][::-1]
 
 
 def row_alignment(quantizer: Any) -> int:
     """The rows a shard must be a multiple of so that every block of both layouts lies in
-    one shard (row-wise scaling: its column amaxes are reduced instead)."""
-    if isinstance(quantizer, BlockScalingQuantizer):
-        return TILE  # 128x128 tiles, or 1x128 tiles of the column-wise layout
-    if isinstance(quantizer, MXFP8Quantizer):
-        return MX_BLOCK
-    if isinstance(quantizer, NVFP4Quantizer):
-        return BLOCK
-    return 1
+    one shard (scales spanning the rows reduce their amaxes instead)."""
+    return shard_multiple(scale_blocks(quantizer), 0)
+
+
+def _replicated_columns(quantizer: Any) -> bool:
+    """Whether the column-wise scales span every row (per column): the same on every rank
+    after the reduction, they go as metadata rather than on the wire."""
+    return scale_blocks(quantizer)[1][1] == 0
 
 
 def unaligned(quantizer: Any, rows: int, world: int) -> str:
@@ -157,16 +143,18 @@ def _reducer(weight: Any, group: Any) -> Any:
     return reduce
 
 
-def _split_scale_bytes(quantizer: Any, rows: int, cols: int) -> int:
+def _blocks_over(n: int, extent: int) -> int:
+    return 1 if extent == 0 else -(-n // extent)
+
+
+def _split_scale_bytes(quantizer: Any, rows: int, cols: int, itemsize: int) -> int:
     """Bytes of one rank's scales on the wire in the split layouts: the larger of the
-    row-wise and the column-wise ones (row-wise scaling's per-column scales go as
-    metadata) of a ``[rows, cols]`` shard."""
-    if isinstance(quantizer, RowwiseQuantizer):
-        return rows * 4
-    if isinstance(quantizer, BlockScalingQuantizer):  # 1x128 tiles, FP32 scales
-        return 4 * max(rows * -(-cols // TILE), cols * -(-rows // TILE))
-    block = MX_BLOCK if isinstance(quantizer, MXFP8Quantizer) else BLOCK
-    return rows * cols // block  # one byte per block, the same count either way
+    row-wise and the column-wise ones (per-column scales go as metadata) of a
+    ``[rows, cols]`` shard, ``itemsize`` bytes a scale."""
+    (r0, r1), (c0, c1) = scale_blocks(quantizer)
+    row_scales = _blocks_over(rows, r0) * _blocks_over(cols, r1)
+    col_scales = 0 if c1 == 0 else _blocks_over(cols, c0) * _blocks_over(rows, c1)
+    return itemsize * max(row_scales, col_scales)
 
 
 def reshards_after_forward(weight: Any) -> bool:
@@ -211,21 +199,17 @@ def wire_inputs(
     if param_dtype is not None:  # what FSDP2's mixed precision gathers (and one casts)
         tensor = tensor.to(param_dtype)
     rowwise, columnwise = layout != "col", layout in ("both", "col")
-    kwargs: dict[str, Any] = {}
-    if isinstance(quantizer, NVFP4Quantizer):
-        kwargs["reduce_amax"] = _reducer(weight, group)
-    elif isinstance(quantizer, RowwiseQuantizer):
-        kwargs["reduce_columns"] = _reducer(weight, group)
-    q = quantizer.quantize(tensor, rowwise=rowwise, columnwise=columnwise, **kwargs)
+    shard_q = over_shards(quantizer, _reducer(weight, group), 0)
+    q = shard_q.quantize(tensor, rowwise=rowwise, columnwise=columnwise)
     replicated: dict[str, torch.Tensor] = {}
-    if isinstance(q, NVFP4Tensor):
+    if getattr(q, "global_scale_inv", None) is not None:  # a tensor scale (NVFP4's)
         replicated["global_scale_inv"] = q.global_scale_inv
     inputs: list[torch.Tensor] = []
     if rowwise:
         inputs += [_bytes(q.data), _bytes(q.scale_inv)]
     if columnwise:
         inputs.append(_bytes(q.data_t.t()))  # the rows along dim 0, as FSDP2 gathers them
-        if isinstance(quantizer, RowwiseQuantizer):
+        if _replicated_columns(quantizer):
             replicated["scale_inv_t"] = q.scale_inv_t  # per column: every rank's, whole
         else:
             inputs.append(_bytes(q.scale_inv_t.t()))
@@ -240,7 +224,7 @@ def wire_inputs(
         wire.scale_shape = tuple(scale.shape)
         flat = scale.reshape(-1).view(torch.uint8)
         rows = outer_size[0] // weight_world(group)
-        size = _split_scale_bytes(quantizer, rows, outer_size[1])
+        size = _split_scale_bytes(quantizer, rows, outer_size[1], scales.element_size())
         inputs = [inputs[0], F.pad(flat, (0, size - flat.numel()))]
     return inputs, wire
 
@@ -258,11 +242,7 @@ def local_amax(weight: Any) -> torch.Tensor | None:
         return None
     quantizer = weight_quantizer(weight.recipe)
     m = as_matrix(weight._tensor.to(weight._param_dtype or weight._tensor.dtype))
-    if isinstance(quantizer, NVFP4Quantizer):
-        return global_amax(m.float().abs())
-    if isinstance(quantizer, RowwiseQuantizer):
-        return tensor_amax(m) if quantizer.columnwise_per_tensor else row_amax(m, 0)
-    return None
+    return shard_amax(quantizer, m, 0)
 
 
 def keep_reduced(weight: Any, amax: torch.Tensor) -> None:
@@ -301,11 +281,8 @@ def gather_own(wire: Wire, layout: str) -> tuple[torch.Tensor, ...]:
 
 def col_scale_shape(quantizer: Any, rows: int, cols: int) -> tuple[int, int]:
     """The shape of the column-wise scales of a ``[rows, cols]`` weight (split layouts)."""
-    if isinstance(quantizer, RowwiseQuantizer):
-        return (cols, 1)
-    if isinstance(quantizer, BlockScalingQuantizer):
-        return (cols, -(-rows // TILE))
-    return (cols, rows // (MX_BLOCK if isinstance(quantizer, MXFP8Quantizer) else BLOCK))
+    c0, c1 = scale_blocks(quantizer)[1]  # the column-wise layout [cols, rows]'s blocks
+    return (_blocks_over(cols, c0), _blocks_over(rows, c1))
 
 
 def split_scales(outputs: tuple[torch.Tensor, ...], wire: Wire) -> torch.Tensor:

@@ -1,10 +1,11 @@
-"""The per-tensor recipes' gathered weight (``Float8CurrentScaling``, ``DelayedScaling``):
-FP8 codes and one scale for the whole weight, from the global amax.
+"""The per-tensor recipes' gathered weight (one scale: ``Scheme.scale_blocks`` of the
+weight is ``PER_TENSOR_BLOCKS``): FP8 codes and one scale for the whole weight.
 
 The scale comes from the amax of the *whole* weight: the shard's amax max-reduced over the
-FSDP group (current scaling), or the module's delayed-scaling scale, whose amaxes the
-autocast reduces over its group. Every rank then casts its shard exactly as one process
-casts the whole weight (same scale, same codes), and the gathered codes are the weight's.
+FSDP group (``scale_for`` of a stateless scheme's weight quantizer), or a stateful
+scheme's, whose amaxes the autocast reduces over its group. Every rank then casts its
+shard exactly as one process casts the whole weight (same scale, same codes), and the
+gathered codes are the weight's.
 Backward's column-wise layout is the transposed codes (the cast is elementwise), so the
 re-gather carries the same bytes again.
 
@@ -21,67 +22,59 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from ...formats import ELEMENT_MAX, FP8_DTYPES
-from ...quantizers.base import transposed_codes
-from ...quantizers.tensorwise import (
-    CurrentScalingQuantizer,
-    DelayedScalingQuantizer,
-    quantize_with_scale,
-)
-from ...recipe import DelayedScaling, Float8CurrentScaling, Recipe
-from ...reference.cast import scale_from_amax, tensor_amax
+from ...formats import FP8_DTYPES
+from ...quantizers.base import PER_TENSOR_BLOCKS, Quantizer, casts_like, is_pure, transposed_codes
+from ...quantizers.reduction import all_reduce_max
+from ...quantizers.tensorwise import quantize_with_scale
+from ...recipe import Recipe
+from ...reference.cast import tensor_amax
 from ...runtime.state import get_stack, optimizer_steps
 from ...schemes import scheme_for
-from ...schemes.delayed.state import FORWARD
 from ...tensor import WHOLE, Float8Tensor
-from ..amax import all_reduce_max
 
 aten = torch.ops.aten
 
 # Views FSDP2 makes of the gathered parameter (they keep the quantized codes).
 VIEWS = (aten.as_strided.default, aten.view.default, aten.detach.default, aten.alias.default)
 
-PER_TENSOR = (Float8CurrentScaling, DelayedScaling)
+
+def supports(recipe: Recipe) -> bool:
+    """Whether ``recipe``'s weights gather as one scale and codes: per-tensor scales, from
+    the weight quantizer's ``scale_for`` or a stateful scheme's state."""
+    scheme = scheme_for(recipe)
+    if scheme.scale_blocks(recipe, "weight") != PER_TENSOR_BLOCKS:
+        return False
+    return scheme.stateful or hasattr(weight_quantizer(recipe), "scale_for")
 
 
 def weight_format(recipe: Recipe) -> str:
-    """The FP8 format of ``recipe``'s weights (a per-tensor recipe)."""
-    if isinstance(recipe, DelayedScaling):
-        return recipe.fp8_format.fwd
-    return recipe.fp8_format.for_role("weight")
+    """The element format of ``recipe``'s weights."""
+    return scheme_for(recipe).weight_format(recipe)
 
 
-def weight_quantizer(recipe: Float8CurrentScaling) -> CurrentScalingQuantizer:
-    """The weight quantizer ``recipe``'s scheme uses on a layer that is not tensor
-    parallel; the gathered weight serves GEMMs whose quantizer equals it."""
-    return CurrentScalingQuantizer(
-        fmt=weight_format(recipe),
-        power_2_scales=recipe.use_power_2_scales,
-        amax_epsilon=recipe.amax_epsilon,
-    )
+def weight_quantizer(recipe: Recipe) -> Quantizer:
+    """The weight quantizer ``recipe``'s (stateless) scheme uses on a layer that is not
+    tensor parallel; the gathered weight serves GEMMs whose quantizer casts like it."""
+    return scheme_for(recipe).quantizer(recipe, "weight")
 
 
 def scale_from(recipe: Recipe, amax: torch.Tensor) -> torch.Tensor:
-    """Current scaling's scale for a weight whose (global) amax is ``amax``."""
-    return scale_from_amax(
-        amax,
-        ELEMENT_MAX[weight_format(recipe)],
-        power_2=recipe.use_power_2_scales,
-        epsilon=recipe.amax_epsilon,
-    )
+    """The scale of a weight whose (global) amax is ``amax`` (a stateless scheme)."""
+    return weight_quantizer(recipe).scale_for(amax)
 
 
-def _delayed(weight: Any, module: Any, mesh: Any) -> tuple[torch.Tensor, Any, Float8Tensor]:
-    """Delayed scaling in a forward: under an autocast with this recipe, the module's own
-    weight quantizer (its scale from the history; the shard's amax recorded, max-reduced
-    over the autocast's group when it exits, as the whole weight's would be). Anywhere
-    else the module's current weight scale, nothing recorded."""
+def _stateful(weight: Any, module: Any, mesh: Any) -> tuple[torch.Tensor, Any, Float8Tensor]:
+    """A stateful scheme (delayed scaling) in a forward: under an autocast with this
+    recipe, the module's own weight quantizer (its scale from the history; the shard's
+    amax recorded, max-reduced over the autocast's group when it exits, as the whole
+    weight's would be). Anywhere else the module's current weight scale, nothing
+    recorded."""
     frame = get_stack()[0]
     tensor, recipe = weight._tensor, weight.recipe
     if frame.enabled and frame.recipe == recipe:
         if frame.group is None and mesh.size() > 1:
             raise ValueError(
-                "fastcast: DelayedScaling with quantized_all_gather needs "
+                f"fastcast: {type(recipe).__name__} with quantized_all_gather needs "
                 "fc.autocast(amax_reduction_group=...) over the FSDP ranks: each rank "
                 "records its shard's amax, and only the reduction makes it the weight's"
             )
@@ -93,9 +86,8 @@ def _delayed(weight: Any, module: Any, mesh: Any) -> tuple[torch.Tensor, Any, Fl
         quantizer = plan.weight_q
         scale = quantizer.scale.clone()  # the scale it casts with (updated in place later)
         return scale, quantizer, quantizer.quantize(tensor)
-    scale = module._scheme_state[FORWARD].scale_views[1].clone()
-    fmt = weight_format(recipe)
-    return scale, None, quantize_with_scale(tensor, scale, fmt, True, False)
+    frozen = scheme_for(recipe).state_weight_quantizer(recipe, module._scheme_state)
+    return frozen.scale, None, frozen.quantize(tensor)
 
 
 def pre_all_gather(
@@ -105,7 +97,7 @@ def pre_all_gather(
     codes (bytes: every backend gathers them), the scale's inverse as metadata."""
     recipe = weight.recipe
     fmt = weight_format(recipe)
-    delayed = isinstance(recipe, DelayedScaling)
+    delayed = scheme_for(recipe).stateful
     key = (weight._tensor._version, optimizer_steps(install=True))
     kept = weight._kept
     # The weight is unchanged since the last gather: current scaling's scale is the
@@ -119,11 +111,12 @@ def pre_all_gather(
         scale, quantizer = kept[0], kept[2]
         q = quantize_with_scale(weight._tensor, scale, fmt, True, False)
     elif delayed:
-        scale, quantizer, q = _delayed(weight, module, mesh)
+        scale, quantizer, q = _stateful(weight, module, mesh)
     else:
         amax = tensor_amax(weight._tensor)
         all_reduce_max(amax, mesh.get_group())
-        scale, quantizer = scale_from(recipe, amax), weight_quantizer(recipe)
+        quantizer = weight_quantizer(recipe)
+        scale = quantizer.scale_for(amax)
         q = quantize_with_scale(weight._tensor, scale, fmt, True, False)
     weight._kept = (scale, key, quantizer)
     codes = q.data.view(torch.uint8)
@@ -220,13 +213,8 @@ class GatheredFloat8Weight(torch.Tensor):
         mine = self.quantizer
         if mine is None:
             return None
-        if quantizer != mine and not (
-            # Delayed scaling: any quantizer over the same scale slot (plans are rebuilt).
-            isinstance(mine, DelayedScalingQuantizer)
-            and type(quantizer) is DelayedScalingQuantizer
-            and quantizer.meta is mine.meta
-            and quantizer.index == mine.index
-        ):
+        # (Delayed scaling: any quantizer over the same scale slot; plans are rebuilt.)
+        if not (quantizer == mine or casts_like(mine, quantizer)):
             return None
         return self.quantized(columnwise)
 
@@ -242,9 +230,9 @@ class GatheredFloat8Weight(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        # torch.compile copies this context: a delayed-scaling quantizer (live state, a
-        # process group) stays out, so a traced weight is used dequantized.
-        quantizer = self.quantizer if isinstance(self.quantizer, CurrentScalingQuantizer) else None
+        # torch.compile copies this context: a quantizer with live state (delayed
+        # scaling's) stays out, so a traced weight is used dequantized.
+        quantizer = self.quantizer if is_pure(self.quantizer) else None
         return ["_codes", "_scale_inv"], (quantizer, self.fmt, self.dtype)
 
     @staticmethod

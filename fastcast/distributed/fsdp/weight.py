@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ...recipe import Float8CurrentScaling, Recipe
-from ...reference.cast import tensor_amax
+from ...quantizers.base import shard_amax
+from ...recipe import Recipe
 from ...runtime.state import optimizer_steps
+from ...schemes import scheme_for
 from . import blocks, gathered, tensorwise
 
 aten = torch.ops.aten
@@ -42,7 +43,18 @@ _KEEP_WRAPPED = {
     aten.zero_.default,
 }
 
-SUPPORTED = tensorwise.PER_TENSOR + blocks.BLOCK_RECIPES
+
+def gather_kind(recipe: Recipe | None) -> str | None:
+    """How ``recipe``'s weights gather quantized: ``"tensor"`` (one scale: codes travel,
+    the scale is reduced), ``"blocks"`` (codes and block scales travel), or None (not
+    quantized: the weight quantizer does not tell its scale blocks)."""
+    if recipe is None:
+        return None
+    if tensorwise.supports(recipe):
+        return "tensor"
+    if blocks.supports(recipe):
+        return "blocks"
+    return None
 
 
 class FSDPFloat8Weight(torch.Tensor):
@@ -50,7 +62,7 @@ class FSDPFloat8Weight(torch.Tensor):
 
     It behaves as the tensor it wraps (every op runs on that tensor; the ops FSDP2 uses to
     shard and copy it keep the wrapper), plus FSDP2's ``fsdp_pre_all_gather`` /
-    ``fsdp_post_all_gather``. ``recipe`` is the recipe gathered for (any of ``SUPPORTED``;
+    ``fsdp_post_all_gather``. ``recipe`` is the recipe gathered for (one ``gather_kind`` knows;
     the name dates from the per-tensor FP8 recipes), ``where`` names the layer.
     """
 
@@ -129,7 +141,7 @@ class FSDPFloat8Weight(torch.Tensor):
         module: nn.Module,
         mp_policy: Any,
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
-        if isinstance(self.recipe, tensorwise.PER_TENSOR):
+        if gather_kind(self.recipe) == "tensor":
             inputs, meta = tensorwise.pre_all_gather(self, mesh, outer_size, module)
             return inputs, ("tensor", meta)
         param_dtype = getattr(mp_policy, "param_dtype", None)
@@ -188,11 +200,11 @@ GATHERED = (tensorwise.GatheredFloat8Weight, gathered.GatheredQuantizedWeight)
 
 def check_recipe(recipe: Recipe | None) -> None:
     """A clear error for a recipe whose all-gather cannot be quantized."""
-    if not isinstance(recipe, SUPPORTED):
-        names = ", ".join(r.__name__ for r in SUPPORTED)
+    if gather_kind(recipe) is None:
         raise NotImplementedError(
-            f"fastcast.convert: quantized_all_gather supports the built-in recipes "
-            f"({names}), got {type(recipe).__name__}; pass quantized_all_gather=False "
+            "fastcast.convert: quantized_all_gather needs a recipe whose weight quantizer "
+            "tells how its scales shard (Quantizer.scale_blocks, as every built-in "
+            f"recipe's does), got {type(recipe).__name__}; pass quantized_all_gather=False "
             "(FSDP2 then gathers the weights in high precision)"
         )
 
@@ -204,7 +216,7 @@ def enable_quantized_all_gather(layers: Iterable[Any], recipe: Recipe) -> int:
     check_recipe(recipe)
     count = 0
     for layer in layers:
-        if getattr(layer, "_fc_transposed", False) and isinstance(recipe, blocks.BLOCK_RECIPES):
+        if getattr(layer, "_fc_transposed", False) and gather_kind(recipe) == "blocks":
             # fc.Conv1D stores [in, out]: FSDP2 would shard the input features, and the
             # GEMMs take weight.t(). Its blocks are not the shard's: gathered as it is.
             warnings.warn(
@@ -269,9 +281,10 @@ def precompute_float8_scales(module: nn.Module) -> None:
         local = getattr(param, "_local_tensor", None)
         if not isinstance(local, FSDPFloat8Weight):
             continue
-        if isinstance(local.recipe, Float8CurrentScaling):
-            amax = tensor_amax(local._tensor)
-        elif isinstance(local.recipe, blocks.BLOCK_RECIPES):
+        kind = gather_kind(local.recipe)
+        if kind == "tensor" and not scheme_for(local.recipe).stateful:
+            amax = shard_amax(tensorwise.weight_quantizer(local.recipe), local._tensor, 0)
+        elif kind == "blocks":
             amax = blocks.local_amax(local)
         else:
             amax = None
@@ -284,7 +297,7 @@ def precompute_float8_scales(module: nn.Module) -> None:
         steps = optimizer_steps(install=True)
         for (w, amax), reduced in zip(entries, flat.split([a.numel() for _, a in entries])):
             reduced = reduced.reshape(amax.shape)
-            if isinstance(w.recipe, Float8CurrentScaling):
+            if gather_kind(w.recipe) == "tensor":
                 key = (w._tensor._version, steps)
                 w._kept = (w._scale_from(reduced), key, tensorwise.weight_quantizer(w.recipe))
             else:

@@ -27,11 +27,13 @@ means (in this package):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ...quantizers.base import Quantizer
+from ...quantizers.base import PER_TENSOR_BLOCKS, Blocks, Quantizer
+from ...quantizers.tensorwise import DelayedScalingQuantizer, FixedScaleQuantizer
 from ...recipe import DelayedScaling
 from ...runtime.state import AutocastFrame, thread_state
 from ...tensor import TENSORWISE
@@ -46,6 +48,51 @@ class DelayedScalingScheme(Scheme):
     """Stateful per-tensor FP8; see the module docstring."""
 
     family = TENSORWISE
+    stateful = True
+
+    def scale_blocks(self, recipe: DelayedScaling, role: str) -> Blocks:
+        return PER_TENSOR_BLOCKS
+
+    def sharded_plan(
+        self,
+        frame: AutocastFrame,
+        module_state: dict[Any, Any],
+        device: torch.device,
+        splits: dict[str, int],
+        group: Any,
+    ) -> DelayedPlan:
+        """Each shard records its own amaxes; only the step's reduction over the
+        autocast's group makes them the whole tensors', so the group is required."""
+        if frame.group is None:
+            raise ValueError(
+                "DelayedScaling on a tensor-parallel layer needs "
+                "fc.autocast(amax_reduction_group=...) containing the tensor-parallel group, "
+                "so that every shard's amax reaches the one history all ranks scale from"
+            )
+        return self.plan(frame, module_state, device)
+
+    def weight_format(self, recipe: DelayedScaling) -> str:
+        return recipe.fp8_format.fwd
+
+    def state_weight_quantizer(
+        self, recipe: DelayedScaling, module_state: dict[Any, Any]
+    ) -> FixedScaleQuantizer:
+        scale = module_state[FORWARD].scale_views[1].clone()
+        return FixedScaleQuantizer(scale, recipe.fp8_format.fwd)
+
+    def traced_quantizers(
+        self,
+        recipe: DelayedScaling,
+        module_state: dict[Any, Any],
+        read: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[DelayedScalingQuantizer, ...]:
+        fwd, bwd = module_state[FORWARD], module_state[BACKWARD]
+        fmt = recipe.fp8_format
+        return (
+            DelayedScalingQuantizer(fwd, 0, fmt.fwd, read),
+            DelayedScalingQuantizer(fwd, 1, fmt.fwd, read),
+            DelayedScalingQuantizer(bwd, 0, fmt.bwd, read),
+        )
 
     def quantizer(self, recipe: DelayedScaling, role: str, group: Any = None) -> Quantizer:
         raise ValueError(

@@ -22,6 +22,7 @@ import torch
 
 from ...formats import ELEMENT_MAX, FP32_MAX
 from ...kernels import fused_op
+from ...quantizers.reduction import all_reduce_max
 from ...recipe import DelayedScaling
 from ...reference.amax import delayed_update_reference
 from ...reference.cast import min_scale, scale_from_amax
@@ -344,8 +345,6 @@ class Slab:
         recipe = self.recipe
         history = self.history
         if self.group is not None and recipe.reduce_amax:
-            from ...distributed import all_reduce_max  # noqa: PLC0415 - only with a group
-
             all_reduce_max(history[0], self.group)
         if self.formula is not None:
             # fastcast's formula: one fused operator where there is one (CPU), else the
