@@ -204,8 +204,8 @@ LAYERS = (
     "kernels",
     "tensor",
     "runtime",
-    "profiling",
     "quantizers",
+    "gemm_microscaled",
     "gemm",
     "serialization",
     "schemes",
@@ -215,7 +215,9 @@ LAYERS = (
     "nn",
     "dcp",
     "numerics",
+    "profiling",
     "compile",
+    "integrations",
     "_on_import",
 )
 
