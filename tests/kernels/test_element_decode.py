@@ -1,6 +1,5 @@
 """The widening functions of ``csrc/element.h`` that only the CUDA kernels call (the CPU
-operators widen through c10 or tables), compiled for the host: every FP16 bit pattern
-(``half_to_float``, the CUDA kernels' FP16 input), every E4M3 and E5M2 byte
+operators widen through c10's tables), compiled for the host: every E4M3 and E5M2 byte
 (``fp8_to_float``, what ``dequantize_blocks`` reads) and every E2M1 code (``e2m1_value``,
 ``dequantize_nvfp4``) against torch's own widening and ``formats.E2M1_VALUES``. The
 functions are bit manipulation and exact products, so the host's result is the GPU's.
@@ -23,7 +22,6 @@ PROGRAM = r"""
 #include "element.h"
 using namespace fastcast;
 int main() {
-  for (int h = 0; h < 65536; ++h) std::printf("%08x\n", bits_of(half_to_float(h)));
   for (int b = 0; b < 256; ++b) std::printf("%08x\n", bits_of(fp8_to_float<true>(b)));
   for (int b = 0; b < 256; ++b) std::printf("%08x\n", bits_of(fp8_to_float<false>(b)));
   for (int c = 0; c < 16; ++c) std::printf("%08x\n", bits_of(e2m1_value(c)));
@@ -48,10 +46,9 @@ def decoded(tmp_path_factory) -> dict[str, torch.Tensor]:
     words = torch.tensor([int(w, 16) for w in out.split()], dtype=torch.int64)
     values = words.to(torch.int32).view(torch.float32)  # the low 32 bits, as FP32
     return {
-        "half": values[:65536],
-        "e4m3": values[65536 : 65536 + 256],
-        "e5m2": values[65536 + 256 : 65536 + 512],
-        "e2m1": values[65536 + 512 :],
+        "e4m3": values[:256],
+        "e5m2": values[256:512],
+        "e2m1": values[512:],
     }
 
 
@@ -63,11 +60,6 @@ def assert_bits(got: torch.Tensor, want: torch.Tensor, nan_payload: bool) -> Non
         same |= got.isnan() & want.isnan() & ((g < 0) == (w < 0))
     bad = (~same).nonzero().reshape(-1)
     assert bad.numel() == 0, [(int(i), hex(int(g[i])), hex(int(w[i]))) for i in bad[:5]]
-
-
-def test_every_fp16_value_widens_as_torch_does(decoded):
-    codes = torch.arange(65536, dtype=torch.int32).to(torch.int16)  # wraps to the bit patterns
-    assert_bits(decoded["half"], codes.view(torch.float16).float(), nan_payload=True)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])

@@ -167,20 +167,6 @@ FASTCAST_HD uint8_t cast_fp8(float v, float scale, float fmt_max) {
   return E4M3 ? cast_e4m3(v, scale, fmt_max) : cast_e5m2(v, scale, fmt_max);
 }
 
-// An FP16 value (its bits) widened to FP32 exactly, a NaN keeping its sign and payload
-// (quieted), as torch's CPU widening does. (__half2float returns the canonical, positive
-// NaN: an H200 run cast every negative FP16 NaN to E5M2 0x7F, the CPU to 0xFF.)
-FASTCAST_HD float half_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
-  const float subnormal = static_cast<float>(mantissa) * 0x1p-24f;  // exact
-  const uint32_t normal = ((exponent + 112u) << 23) | (mantissa << 13);
-  const uint32_t special = 0x7F800000u | (mantissa << 13) | (mantissa != 0 ? 0x400000u : 0u);
-  const uint32_t magnitude =
-      exponent == 0 ? bits_of(subnormal) : (exponent == 31 ? special : normal);
-  return float_of(magnitude | sign);
-}
-
 // ---- MXFP8: E8M0 shared exponents ------------------------------------------------------
 
 struct MxParams {

@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_fp16.h>
 
 #include <atomic>
 #include <cstdint>
@@ -48,8 +49,12 @@ struct BF16 {
 struct F16 {
   using Raw = uint16_t;
   static constexpr uint32_t kInfMagnitude = 0x7C00u;
+  // Exact. __half2float returns the canonical, positive NaN for every NaN: the sign is
+  // put back (an H200 run cast every negative FP16 NaN to E5M2 0x7F, the CPU to 0xFF);
+  // a NaN's payload reaches no output. (A widening from the bits alone made
+  // cast_tiles_kernel<F16, E5M2> spill 8 bytes on sm_90a.)
   static __device__ __forceinline__ float widen(uint16_t v) {
-    return half_to_float(v);  // exact, and a NaN keeps its sign (unlike __half2float)
+    return float_of(bits_of(__half2float(__ushort_as_half(v))) | (uint32_t(v & 0x8000u) << 16));
   }
   static __device__ __forceinline__ uint32_t magnitude(uint16_t v) { return magnitude_16(v); }
   static __device__ __forceinline__ float from_magnitude(uint32_t m) {
