@@ -43,6 +43,8 @@ def mismatch(recorded: dict, wanted: dict[str, str]) -> str | None:
     (None: it can)."""
     if recorded.get("torch") != wanted["torch"]:
         return f"were built for torch {recorded.get('torch')} and this is torch {wanted['torch']}"
+    if recorded.get("sources") != wanted["sources"]:
+        return "were built from other sources (csrc/ changed since the install)"
     differ = sorted(k for k in wanted if recorded.get(k) != wanted[k])
     if differ:
         return f"were built for another {', '.join(differ)}"
@@ -58,8 +60,8 @@ def load() -> ModuleType | None:
     reason = mismatch(data["key"], build.abi_key())
     if reason is not None:
         build._say(
-            f"the fused kernels installed in {DIRECTORY} {reason}: building them for this "
-            "torch instead"
+            f"the fused kernels installed in {DIRECTORY} {reason}: not used; the kernel "
+            "cache's build for this process is (built first where it is missing)"
         )
         return None
     try:

@@ -209,14 +209,15 @@ def _pip(*args: str, **extra: str) -> subprocess.CompletedProcess:
 
 
 # The first fastcast call a user makes: an fc.Linear's forward and backward under
-# fc.autocast, timed from before `import fastcast`.
+# fc.autocast, timed from after the imports (which take as long with or without the
+# kernels: seconds, many on a loaded machine).
 FIRST_CALL = textwrap.dedent(
     """
     import time
-    start = time.perf_counter()
     import torch
     import fastcast as fc
     from fastcast.kernels import build, choice
+    start = time.perf_counter()
     layer = fc.Linear(64, 64)
     with fc.autocast(recipe=fc.Float8CurrentScaling()):
         out = layer(torch.randn(8, 64))
