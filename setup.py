@@ -68,7 +68,7 @@ def build_kernels(dest: Path) -> bool:
             "first use, or the PyTorch reference runs"
         )
         return False
-    _say(f"fused kernels built at install in {time.perf_counter() - start:.1f} s ({dest})")
+    _say(f"fused kernels installed in {time.perf_counter() - start:.1f} s ({dest})")
     return True
 
 

@@ -22,14 +22,16 @@ from .test_docs import torchrun_scripts
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "distributed.md"
 SCRIPTS = torchrun_scripts(PAGE)
-REPORT = re.compile(r"^rank (\d+) of (\d+)\b.*: loss (\S+)$", re.M)
+# "rank R of W: loss L", or with a 2-D mesh "rank R of W (dp D x tp T): loss L", where L
+# is the rank's share of the global loss (the global loss over D).
+REPORT = re.compile(r"^rank (\d+) of (\d+)(?: \(dp (\d+) x tp \d+\))?: loss (\S+)$", re.M)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _run(name: str, code: str, folder: Path, nproc: int) -> dict[int, tuple[int, float]]:
     """Run ``code`` as ``folder/name`` with ``nproc`` processes under torchrun (in
-    ``folder``: the checkpoints it writes land there); each rank's (world, loss)."""
+    ``folder``: the checkpoints it writes land there); each rank's (world, global loss)."""
     folder.mkdir()
     script = folder / name
     script.write_text(code)
@@ -42,9 +44,9 @@ def _run(name: str, code: str, folder: Path, nproc: int) -> dict[int, tuple[int,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     reports: dict[int, tuple[int, float]] = {}
-    for rank, world, loss in REPORT.findall(done.stdout):
+    for rank, world, dp, loss in REPORT.findall(done.stdout):
         assert int(rank) not in reports, f"rank {rank} reported twice:\n{done.stdout}"
-        reports[int(rank)] = (int(world), float(loss))
+        reports[int(rank)] = (int(world), float(loss) * int(dp or 1))  # the global loss
     return reports
 
 
