@@ -35,7 +35,9 @@ def record() -> dict | None:
         data = json.loads(key_file.read_text())
     except (OSError, ValueError) as exc:
         return {"key": {}, "error": f"{type(exc).__name__}: {exc}"}
-    return data if isinstance(data, dict) and isinstance(data.get("key"), dict) else {"key": {}}
+    if not (isinstance(data, dict) and isinstance(data.get("key"), dict)):
+        return {"key": {}, "error": "no key in it"}
+    return data
 
 
 def mismatch(recorded: dict, wanted: dict[str, str]) -> str | None:
@@ -57,7 +59,10 @@ def load() -> ModuleType | None:
     data = record() if enabled() else None
     if data is None:
         return None
-    reason = mismatch(data["key"], build.abi_key())
+    if "error" in data:
+        reason = f"have a key file that does not read ({data['error']})"
+    else:
+        reason = mismatch(data["key"], build.abi_key())
     if reason is not None:
         build._say(
             f"the fused kernels installed in {DIRECTORY} {reason}: not used; the kernel "

@@ -103,6 +103,12 @@ def test_edited_sources_and_the_switch_rule_out_the_library(built_library, tmp_p
     assert done.stdout.splitlines()[0] == "reference 1", done.stderr
     assert "were built from other sources (csrc/ changed" in done.stderr
 
+    broken = _install(tmp_path / "broken", built_library, build.abi_key())
+    (broken / build.INSTALLED_KEY).write_text("{not json")
+    done = _run(broken, tmp_path)
+    assert done.stdout.splitlines()[0] == "reference 1", done.stderr
+    assert "have a key file that does not read (JSONDecodeError" in done.stderr
+
     good = _install(tmp_path / "good", built_library, build.abi_key())
     done = _run(good, tmp_path, FASTCAST_KERNELS_INSTALLED="0")
     assert done.stdout.splitlines()[0] == "reference 1", done.stderr
