@@ -26,8 +26,6 @@ SCRIPTS = torchrun_scripts(PAGE)
 # is the rank's share of the global loss (the global loss over D).
 REPORT = re.compile(r"^rank (\d+) of (\d+)(?: \(dp (\d+) x tp \d+\))?: loss (\S+)$", re.M)
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
 
 def _run(name: str, code: str, folder: Path, nproc: int) -> dict[int, tuple[int, float]]:
     """Run ``code`` as ``folder/name`` with ``nproc`` processes under torchrun (in
@@ -58,6 +56,8 @@ def test_the_page_has_its_three_scripts():
         assert code.rstrip().endswith("dist.destroy_process_group()"), name
 
 
+@pytest.mark.distributed
+@pytest.mark.slow  # minutes: 2, 2 and 4 processes, then one, each importing torch
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_a_docs_script_runs_on_every_rank_as_one_process(name, tmp_path):
     nproc, code = SCRIPTS[name]
