@@ -26,9 +26,10 @@ $(COMPARE): $(BENCH_TOOLS)
 	$(PY) -m pip install -e '.[compare]' || echo "torchao not installed: its comparisons are skipped"
 	touch $(COMPARE)
 
-# The fused C++ kernels, built ahead of the tests and benchmarks (30-60 s the first time
-# for this compiler, Python and torch; then a check that takes a second). Without a
-# compiler the reference path runs: said here, not an error.
+# The fused C++ kernels: `pip install -e` above built them (setup.py); this says where
+# they are and how long their build took, and builds them where the install did not
+# (30-60 s for this compiler, Python and torch). Without a compiler the reference path
+# runs: said here, not an error.
 kernels: $(STAMP)
 	$(PY) -m fastcast.kernels || echo "fused kernels not built: the PyTorch reference path runs"
 

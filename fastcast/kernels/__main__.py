@@ -1,8 +1,42 @@
-"""``python -m fastcast.kernels``: build the fused C++ kernels ahead of their first use
-(``make`` runs it before the tests and benchmarks)."""
+"""``python -m fastcast.kernels``: load the fused C++ kernels, building them where the
+install did not (``make kernels`` runs it before the tests and benchmarks), and say where
+they are and how long their build took."""
+
+from __future__ import annotations
 
 import sys
 
-from .build import main
+from . import build, installed
 
-sys.exit(main())
+
+def main() -> int:
+    """Load (or build) the CPU library, and the CUDA library where torch has CUDA and a
+    GPU; exit status 1 with the reason when one does not build."""
+    try:
+        seconds = build.load()
+    except build.BuildError as exc:
+        print(f"fastcast: the fused kernels do not build here: {exc}", file=sys.stderr)
+        return 1
+    where = build.library_path()
+    if installed.enabled() and where == str(installed.DIRECTORY / build.INSTALLED_LIBRARY):
+        record = installed.record() or {}
+        print(
+            f"fastcast: fused kernels installed in {installed.DIRECTORY} (built at install "
+            f"in {record.get('seconds', '?')} s), loaded in {seconds:.2f} s"
+        )
+    else:
+        print(f"fastcast: fused kernels ready in {build.build_dir()} ({seconds:.1f} s)")
+    if not build.cuda_torch():
+        return 0
+    try:
+        seconds = build.load_cuda()
+    except build.BuildError as exc:
+        print(f"fastcast: the CUDA kernels do not build here: {exc}", file=sys.stderr)
+        return 1
+    key = build.cuda_build_key()
+    print(f"fastcast: CUDA kernels ready in {build.build_dir(key)} ({seconds:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,12 @@
-"""Builds and loads the C++ operators (``csrc/``) on first use, once per process.
+"""Builds and loads the C++ operators (``csrc/``), once per process.
 
-The library is compiled by ``torch.utils.cpp_extension.load`` (g++ and ninja, about
-30-60 s on two cores) into a build directory named by a digest of everything that
+An install builds the CPU library (``setup.py``: ``pip install .``, ``pip install -e .``,
+``pip wheel .``) against the torch of the environment it installs into, and ships it in
+``installed/`` with its ``abi_key``; ``load`` imports it without compiling when this
+process's torch, Python, sources and flags are the ones it was built for (``installed``).
+Otherwise (a different torch, sources edited in a checkout, an install without torch)
+the library is compiled on first use by ``torch.utils.cpp_extension`` (g++ and ninja,
+about 30-60 s on two cores) into a build directory named by a digest of everything that
 changes the build (``build_key``): the source text, the compiler (its resolved path and
 ``--version``), the flags, the include paths, the Python ABI, and torch's version and
 location. Two environments that would build different libraries never share a
@@ -13,7 +18,9 @@ while a process builds or loads: one process builds, the others wait for it and 
 load the finished library, which no process relinks once a ``built`` stamp marks it
 complete (its key says nothing it was built from can have changed). The sources are
 copied into the directory and compiled from there, so that installs at different paths
-(an editable checkout, a wheel) run the same build commands and share one build.
+(an editable checkout, a wheel) run the same build commands and share one build. The
+compile runs in a child process (``_child``) given its environment, ninja's directory on
+its ``PATH``: nothing here writes ``os.environ``.
 
 A build prints one line to stderr when it starts and one when it ends (with the time
 it took), without any logging set-up, since it stalls the first quantize for tens of
@@ -21,7 +28,7 @@ seconds; loading a finished build prints nothing. A failed build (no compiler, n
 ninja, a missing source file) raises ``BuildError``; ``choice`` then warns once and
 leaves the reference path in charge. Nothing is compiled at import.
 ``python -m fastcast.kernels`` builds ahead of time (``make`` does, before the
-tests and benchmarks).
+tests and benchmarks) and says where the library is.
 """
 
 from __future__ import annotations
@@ -111,6 +118,10 @@ NAMESPACE = "fastcast_kernels"
 LOCK_FILE = "fastcast.lock"
 BUILT_STAMP = "built"
 SOURCE_COPY = "csrc"
+# What an install puts in ``fastcast/kernels/installed/`` (``install_into``): the CPU
+# library and its key.
+INSTALLED_LIBRARY = f"{NAMESPACE}.so"
+INSTALLED_KEY = "key.json"
 
 
 logger = logging.getLogger("fastcast")
@@ -127,6 +138,31 @@ class BuildError(RuntimeError):
     """The C++ operators could not be built or loaded."""
 
 
+def _digest(files: tuple[Path, ...]) -> str:
+    sources = hashlib.sha256()
+    for source in files:
+        sources.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    return sources.hexdigest()
+
+
+def abi_key() -> dict[str, str]:
+    """What a finished library must have been built for to be loaded here: the sources,
+    the flags, the Python ABI and the torch build (its version, its commit and C++ ABI;
+    not its location, so that a wheel built against this torch elsewhere loads). The
+    library installed with the package is loaded only when its key equals this one.
+    Cheap (no compiler, no ``cpp_extension`` import). Raises ``OSError`` when a source
+    file is missing (an incomplete install)."""
+    return {
+        "sources": _digest((*SOURCES, *HEADERS)),
+        "cflags": " ".join(CFLAGS),
+        "ldflags": " ".join(LDFLAGS),
+        "python": f"{sys.implementation.cache_tag} {sysconfig.get_config_var('EXT_SUFFIX')}",
+        "torch": torch.__version__,
+        "torch_commit": str(torch.version.git_version),
+        "cxx11_abi": str(torch._C._GLIBCXX_USE_CXX11_ABI),
+    }
+
+
 def build_key() -> dict[str, str]:
     """Everything that changes the library: what the build directory's name digests.
 
@@ -136,13 +172,10 @@ def build_key() -> dict[str, str]:
     missing (an incomplete install)."""
     from torch.utils import cpp_extension  # noqa: PLC0415 - slow import, first use only
 
-    sources = hashlib.sha256()
-    for source in (*SOURCES, *HEADERS):
-        sources.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
     compiler = cpp_extension.get_cxx_compiler()
     found = shutil.which(compiler)
     return {
-        "sources": sources.hexdigest(),
+        "sources": _digest((*SOURCES, *HEADERS)),
         "compiler": os.path.realpath(found) if found else f"{compiler} (not found)",
         "compiler_version": _compiler_version(found),
         "cflags": " ".join(CFLAGS),
@@ -193,20 +226,28 @@ def load() -> float:
     with _load_lock:
         if _loaded_seconds is not None:
             return _loaded_seconds
+        from . import installed  # noqa: PLC0415 - not in a build's child (no package)
+
         start = time.perf_counter()
         try:
-            key = build_key()
-            directory = build_dir(key)
-            with _exclusive(directory):
-                module = _build_or_import(directory, key)
+            module = installed.load()
+            if module is None:  # none installed, or not for this torch: build or find it
+                key = build_key()
+                with _exclusive(build_dir(key)):
+                    module = _build_or_import(build_dir(key), key)
         except BuildError:
             raise
         except Exception as exc:  # an incomplete install, no compiler, ninja or headers
             raise BuildError(f"{type(exc).__name__}: {exc}") from exc
         _module = module
         _loaded_seconds = time.perf_counter() - start
-    logger.info("fused quantize kernels ready in %.1f s (%s)", _loaded_seconds, directory)
+    logger.info("fused quantize kernels ready in %.1f s (%s)", _loaded_seconds, module.__file__)
     return _loaded_seconds
+
+
+def library_path() -> str | None:
+    """The file of the loaded CPU library (None before ``load``)."""
+    return None if _module is None else _module.__file__
 
 
 def _say(message: str) -> None:
@@ -250,35 +291,37 @@ def _build_or_import(directory: Path, key: dict[str, str]) -> ModuleType:
         f"and torch; about 30-60 s on two cores) in {directory}"
     )
     with _build_step("fused kernels", directory, key):
-        sources = _copy_sources(directory / SOURCE_COPY)
-        module = cpp_extension.load(
-            name=NAMESPACE,
-            sources=[str(s) for s in sources],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS),
-            build_directory=str(directory),
-            is_python_module=True,
-            verbose=False,
-        )
-    return module
+        _compile_in_child("cpu", directory)
+    return _import(library)
 
 
 @contextlib.contextmanager
 def _build_step(what: str, directory: Path, key: dict[str, str]) -> Iterator[None]:
-    """Around one library's compile (the caller holds the directory's lock): ninja on
-    PATH, the time it took said on stderr, and the ``built`` stamp once it succeeded."""
+    """Around one library's compile (the caller holds the directory's lock): the time it
+    took said on stderr, and the ``built`` stamp once it succeeded."""
     start = time.perf_counter()
     try:
         # torch's own lock file: left behind by a build that was killed, it would make
         # cpp_extension wait forever. Nobody else is building here: we hold the lock.
         (directory / "lock").unlink(missing_ok=True)
-        with _ninja_on_path():
-            yield
+        yield
     except Exception:
         _say(f"building the {what} failed after {time.perf_counter() - start:.1f} s")
         raise
     (directory / BUILT_STAMP).write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
     _say(f"built the {what} in {time.perf_counter() - start:.1f} s")
+
+
+def _compile_in_child(kind: str, directory: Path, *args: str) -> None:
+    """Compile library ``kind`` (``child_main``) into ``directory`` in a child process
+    whose environment is this one's with ninja on ``PATH`` (``_child``); ``BuildError``
+    with the end of its output when it fails."""
+    from . import _child  # noqa: PLC0415 - not in a build's child (no package)
+
+    env = _child.environment(os.environ)
+    done = _child.run([kind, str(directory), *args], env, cwd=directory)
+    if done.returncode != 0:
+        raise BuildError(_child.tail(done.stderr + done.stdout))
 
 
 def _copy_sources(
@@ -308,28 +351,6 @@ def _import(library: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@contextlib.contextmanager
-def _ninja_on_path() -> Iterator[None]:
-    """``cpp_extension`` runs ``ninja`` from PATH. The ``ninja`` wheel (a dependency)
-    puts it in the environment's bin directory, which is not on PATH when the
-    environment's Python is run without activating it: add that directory for the build."""
-    bin_dir = None
-    if shutil.which("ninja") is None:
-        with contextlib.suppress(ImportError):
-            import ninja  # noqa: PLC0415 - only to locate the executable
-
-            bin_dir = ninja.BIN_DIR
-    if bin_dir is None:
-        yield
-        return
-    path = os.environ.get("PATH", "")
-    os.environ["PATH"] = os.pathsep.join((bin_dir, path)) if path else bin_dir
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = path
 
 
 # ---- The CUDA library ---------------------------------------------------------------
@@ -363,13 +384,10 @@ def cuda_build_key() -> dict[str, str]:
     Python and torch)."""
     from torch.utils import cpp_extension  # noqa: PLC0415 - slow import, first use only
 
-    sources = hashlib.sha256()
-    for source in (*CUDA_SOURCES, *CUDA_HEADERS):
-        sources.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
     compiler = nvcc()
     return {
         **build_key(),
-        "cuda_sources": sources.hexdigest(),
+        "cuda_sources": _digest((*CUDA_SOURCES, *CUDA_HEADERS)),
         "nvcc": compiler or "(not found)",
         "nvcc_version": _compiler_version(compiler, "release"),
         "nvcc_flags": " ".join(NVCC_FLAGS),
@@ -426,17 +444,8 @@ def _build_or_load_cuda(directory: Path, key: dict[str, str]) -> None:
         f"about a minute) in {directory}"
     )
     with _build_step("CUDA kernels", directory, key):
-        sources = _copy_sources(directory / SOURCE_COPY, CUDA_SOURCES, CUDA_HEADERS)
-        cpp_extension.load(
-            name=CUDA_NAME,
-            sources=[str(s) for s in sources],
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=list(NVCC_FLAGS),
-            build_directory=str(directory),
-            is_python_module=False,  # loaded with torch.ops.load_library
-            with_cuda=True,
-            verbose=False,
-        )
+        _compile_in_child("cuda", directory, str(library_path()))
+    torch.ops.load_library(str(library))
 
 
 def cuda_ops() -> tuple[str, ...]:
@@ -470,24 +479,3 @@ def warn_unavailable(reason: str) -> None:
         RuntimeWarning,
         stacklevel=3,
     )
-
-
-def main() -> int:
-    """``python -m fastcast.kernels`` (``__main__.py``): build (or find) the library ahead of first
-    use, and the CUDA library where torch has CUDA and a GPU; exit status 1 with the
-    reason when one does not build."""
-    try:
-        seconds = load()
-    except BuildError as exc:
-        print(f"fastcast: the fused kernels do not build here: {exc}", file=sys.stderr)
-        return 1
-    print(f"fastcast: fused kernels ready in {build_dir()} ({seconds:.1f} s)")
-    if not cuda_torch():
-        return 0
-    try:
-        seconds = load_cuda()
-    except BuildError as exc:
-        print(f"fastcast: the CUDA kernels do not build here: {exc}", file=sys.stderr)
-        return 1
-    print(f"fastcast: CUDA kernels ready in {build_dir(cuda_build_key())} ({seconds:.1f} s)")
-    return 0

@@ -14,10 +14,13 @@ import math
 import numbers
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..recipe import Format
 from .stats import OPERANDS, OUTLIER_RATIO
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 METRICS = ("rank_db", "sqnr_db", "bulk_sqnr_db", "underflow", "outliers", "saturated")
 
@@ -292,17 +295,18 @@ class Report:
         *,
         operands: Iterable[str] = OPERANDS,
         title: str | None = None,
-    ) -> None:
-        """A PNG: one row per (layer, operand) (its worst layout), one column per step,
-        coloured by ``metric`` (one of ``METRICS``: ``rank_db``, the one rows are ranked
-        by, by default). Needs matplotlib."""
+    ) -> Figure:
+        """A PNG at ``path``: one row per (layer, operand) (its worst layout), one column
+        per step, coloured by ``metric`` (one of ``METRICS``: ``rank_db``, the one rows
+        are ranked by, by default). Returns the matplotlib ``Figure`` (made without
+        pyplot, so the process's backend is left as it is; it can be changed and saved
+        again). Needs matplotlib."""
         if metric not in METRICS:
             raise ValueError(f"fc.inspect heatmap: metric must be one of {METRICS}, got {metric!r}")
         try:
-            import matplotlib  # noqa: PLC0415 - optional: the [bench] extra
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt  # noqa: PLC0415
+            # The Figure class itself, not pyplot: no backend is chosen or changed for the
+            # user's process, and no figure is left registered anywhere.
+            from matplotlib.figure import Figure  # noqa: PLC0415 - optional: [dev], [bench]
         except ImportError:
             raise ImportError(
                 "fastcast.numerics: the heatmap needs matplotlib (pip install matplotlib); "
@@ -334,7 +338,8 @@ class Report:
             grid[order[label]][column[row["step"]]] = (
                 value if math.isnan(cell) else worse(cell, value)
             )
-        fig, ax = plt.subplots(figsize=(max(4.0, 0.3 * len(steps) + 3), 0.28 * len(labels) + 1.5))
+        fig = Figure(figsize=(max(4.0, 0.3 * len(steps) + 3), 0.28 * len(labels) + 1.5))
+        ax = fig.subplots()
         cmap = "viridis" if in_db else "magma_r"
         image = ax.imshow(grid, aspect="auto", cmap=cmap, interpolation="nearest")
         ax.set_yticks(range(len(labels)), labels, fontsize=7)
@@ -353,7 +358,7 @@ class Report:
         ax.set_title(title or f"fc.inspect: {names[metric]} per layer and step", fontsize=9)
         fig.tight_layout()
         fig.savefig(path, dpi=80)
-        plt.close(fig)
+        return fig
 
     def to_tensorboard(self, writer_or_dir: Any) -> None:
         """Write the rows as TensorBoard scalars (``numerics/<layer>/<operand>/<layout>/

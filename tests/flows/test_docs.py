@@ -2,7 +2,8 @@
 
 Python blocks run in a fresh namespace each, in this process, in the order they appear
 in their file (a block may use what an earlier block of the same file defined, as a
-reader following the page would). Shell blocks name `make` targets and `python -m`
+reader following the page would); the blocks of a script run by torchrun (``TORCHRUN``)
+run under torchrun in test_docs_torchrun.py. Shell blocks name `make` targets and `python -m`
 modules: those must exist.
 """
 
@@ -24,9 +25,33 @@ def blocks(page: Path, language: str) -> list[str]:
     return [body for lang, body in FENCE.findall(page.read_text()) if lang == language]
 
 
+# A block that is (part of) a script run by torchrun starts with "# name.py: torchrun
+# --nproc-per-node N name.py" or "# name.py, continued": test_docs_torchrun.py runs them.
+TORCHRUN = re.compile(r"# (\w+\.py)(?:: torchrun --nproc-per-node (\d+) \1|, continued)\b")
+
+
+def torchrun_scripts(page: Path) -> dict[str, tuple[int, str]]:
+    """The page's torchrun scripts by name: the process count its first block names, and
+    its blocks joined in order."""
+    scripts: dict[str, tuple[int, str]] = {}
+    for body in blocks(page, "python"):
+        found = TORCHRUN.match(body)
+        if found is None:
+            continue
+        name, nproc = found.groups()
+        if nproc is not None:
+            assert name not in scripts, f"{page.name}: {name} starts twice"
+            scripts[name] = (int(nproc), body)
+        else:
+            assert name in scripts, f"{page.name}: {name} continued before it starts"
+            count, code = scripts[name]
+            scripts[name] = (count, code + "\n" + body)
+    return scripts
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_python_blocks_run(page, tmp_path, monkeypatch):
-    code = blocks(page, "python")
+    code = [body for body in blocks(page, "python") if not TORCHRUN.match(body)]
     if not code:
         pytest.skip("no python block")
     monkeypatch.chdir(tmp_path)  # blocks that write files write them here

@@ -228,10 +228,11 @@ def test_invalid_mode_is_refused(kernels_mode):
 
 
 def _break_the_compiler(monkeypatch, tmp_path):
-    # A fresh build directory (nothing cached) and a compiler that does not exist; the
-    # process forgets its loaded library for the test (restored after it).
+    # A fresh build directory (nothing cached, no installed library) and a compiler that
+    # does not exist; the process forgets its loaded library for the test (restored after).
     monkeypatch.setattr(build, "_loaded_seconds", None)
     monkeypatch.setenv("FASTCAST_KERNELS_DIR", str(tmp_path))
+    monkeypatch.setenv("FASTCAST_KERNELS_INSTALLED", "0")  # not an install's library
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
 
 

@@ -9,6 +9,7 @@ marked ``slow`` and run only with ``FASTCAST_SLOW_TESTS=1`` (``make test-slow``,
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import shutil
 import subprocess
@@ -39,6 +40,7 @@ def fresh_process_state(monkeypatch):
     """The process forgets its loaded library and kernel choice for one test."""
     monkeypatch.setattr(build, "_loaded_seconds", None)
     monkeypatch.delenv("FASTCAST_KERNELS", raising=False)
+    monkeypatch.setenv("FASTCAST_KERNELS_INSTALLED", "0")  # the first-use path
     choice.refresh()
     yield
     choice.refresh()
@@ -147,8 +149,11 @@ def _quantize_in(python: str, env: dict[str, str], cwd: Path) -> subprocess.Comp
 
 
 def _env(**extra: str) -> dict[str, str]:
+    """The first-use build's environment: this checkout on the path, and no library an
+    (editable) install put in it."""
     env = {k: v for k, v in os.environ.items() if k not in ("FASTCAST_KERNELS", "CXX")}
     env["PYTHONPATH"] = str(ROOT)
+    env["FASTCAST_KERNELS_INSTALLED"] = "0"
     return env | extra
 
 
@@ -193,18 +198,40 @@ def test_processes_starting_together_build_once_and_say_so(tmp_path):
 # --------------------------------------------------------------------------- the wheel
 
 
-def _pip(*args: str) -> None:
+def _pip(*args: str, **extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no checkout on the path
     done = subprocess.run(
-        [sys.executable, "-m", "pip", *args], env=env, capture_output=True, text=True, timeout=600
-    )
+        [sys.executable, "-m", "pip", *args],
+        env=env | extra, capture_output=True, text=True, timeout=3600,
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+# The first fastcast call a user makes: an fc.Linear's forward and backward under
+# fc.autocast, timed from after the imports (which take as long with or without the
+# kernels: seconds, many on a loaded machine).
+FIRST_CALL = textwrap.dedent(
+    """
+    import time
+    import torch
+    import fastcast as fc
+    from fastcast.kernels import build, choice
+    start = time.perf_counter()
+    layer = fc.Linear(64, 64)
+    with fc.autocast(recipe=fc.Float8CurrentScaling()):
+        out = layer(torch.randn(8, 64))
+    out.sum().backward()
+    seconds = time.perf_counter() - start
+    print(choice.tensorwise_op(out) is not None, f"{seconds:.2f}", build.library_path())
+    """
+)
 
 
 @slow
 def test_a_wheel_in_a_fresh_environment_uses_the_fused_kernels(tmp_path):
     # The wheel, built without an isolated environment where this one has setuptools
-    # recent enough (no download needed), else with one.
+    # recent enough (no download needed), else with one: against this torch either way.
     isolation = []
     try:
         import setuptools  # noqa: PLC0415
@@ -217,10 +244,20 @@ def test_a_wheel_in_a_fresh_environment_uses_the_fused_kernels(tmp_path):
     # beside the sources, which must not land in the checkout.
     source = tmp_path / "src"
     shutil.copytree(ROOT / "fastcast", source / "fastcast",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))  # fmt: skip
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "installed"))  # fmt: skip
     for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
-    _pip("wheel", str(source), "--no-deps", *isolation, "-w", str(tmp_path / "dist"), "-q")
+    # The install compiles the kernels (an empty kernel directory: nothing to reuse) and
+    # says how long it took.
+    built = _pip(
+        "wheel", str(source), "--no-deps", *isolation, "-w", str(tmp_path / "dist"), "-v",
+        FASTCAST_KERNELS_DIR=str(tmp_path / "install-cache"),
+    )  # fmt: skip
+    lines = (line.strip() for line in (built.stdout + built.stderr).splitlines())
+    said = [line for line in lines if line.startswith("fastcast:")]
+    print("\n".join(said))
+    assert any(line.startswith("fastcast: built the fused kernels in") for line in said), said
+    assert any("fused kernels installed in" in line for line in said), said
     (wheel,) = (tmp_path / "dist").glob("fastcast-*.whl")
     # A fresh environment that sees this one's packages (torch) but not its fastcast:
     # `venv --system-site-packages` would expose the base interpreter's, not this venv's.
@@ -237,13 +274,18 @@ def test_a_wheel_in_a_fresh_environment_uses_the_fused_kernels(tmp_path):
     torch_site = str(Path(torch.__file__).resolve().parents[1])
     Path(site, "parent_env.pth").write_text(torch_site + "\n")
 
-    env = {k: v for k, v in _env().items() if k != "PYTHONPATH"}
+    # A user's environment: no kernel cache, and a compiler that fails, so that any
+    # build on first use would show (and fail).
+    drop = ("PYTHONPATH", "FASTCAST_KERNELS_INSTALLED")
+    env = {k: v for k, v in _env().items() if k not in drop}
+    env |= {"FASTCAST_KERNELS_DIR": str(tmp_path / "empty"), "CXX": "false"}
     where = subprocess.run(
         [python, "-c", "import fastcast; print(fastcast.__file__)"],
         env=env, cwd=tmp_path, capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     assert where.startswith(site), where  # the wheel's copy, not the checkout
-    installed = {p.name for p in (Path(where).parent / "kernels" / "csrc").iterdir()}
+    package = Path(where).parent
+    installed = {p.name for p in (package / "kernels" / "csrc").iterdir()}
     assert installed >= {p.name for p in (*build.SOURCES, *build.HEADERS)}
     # The wheel compiled fc.autocast's C hot path (setup.py) and uses it.
     made = "import fastcast as fc; fc.autocast(False); print(type(fc.autocast(False)).__name__)"
@@ -253,19 +295,30 @@ def test_a_wheel_in_a_fresh_environment_uses_the_fused_kernels(tmp_path):
     ).stdout.strip()  # fmt: skip
     assert native == "NativeAutocast", native
 
-    # Same sources, compiler, flags, Python and torch: the wheel's build is the
-    # checkout's (`make kernels` built it), found under the same key.
-    key = subprocess.run(
-        [python, "-c", "from fastcast.kernels import build; print(build.build_dir())"],
-        env=env, cwd=tmp_path, capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
-    assert key == str(build.build_dir())
+    # The first fc call loads the library the install built: no build, no message,
+    # within 5 s of starting the process.
+    first = subprocess.run(
+        [python, "-c", FIRST_CALL], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert first.returncode == 0, first.stderr
+    fused, seconds, library = first.stdout.split()
+    print(f"first fc call after installing the wheel: {seconds} s ({library})")
+    installed_dir = package / "kernels" / "installed"
+    assert fused == "True" and library == str(installed_dir / build.INSTALLED_LIBRARY)
+    assert "fastcast:" not in first.stderr, first.stderr
+    assert not (tmp_path / "empty").exists()  # nothing built, nothing cached
+    assert float(seconds) < 5.0
     fused = _quantize_in(python, env, tmp_path)
-    assert fused.returncode == 0, fused.stderr
     assert fused.stdout.splitlines()[0] == "fused 0 True", fused.stdout + fused.stderr
 
-    broken = env | {"FASTCAST_KERNELS_DIR": str(tmp_path / "empty"), "CXX": "false"}
-    fallback = _quantize_in(python, broken, tmp_path)
+    # Another torch (the key says so): said, and the first-use build takes over; here it
+    # fails (CXX=false), so the reference runs after exactly one warning.
+    key_file = installed_dir / build.INSTALLED_KEY
+    record = json.loads(key_file.read_text())
+    record["key"]["torch"] = "0.0.0+other"
+    key_file.write_text(json.dumps(record))
+    fallback = _quantize_in(python, env, tmp_path)
     assert fallback.returncode == 0, fallback.stderr
     lines = fallback.stdout.splitlines()
     assert lines[0] == "reference 1 True" and "could not be built" in lines[1], lines
+    assert "were built for torch 0.0.0+other" in fallback.stderr

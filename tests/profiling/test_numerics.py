@@ -255,16 +255,70 @@ def test_outputs_rows_jsonl_table_and_heatmap(tmp_path, monkeypatch):
         report.to_tensorboard(tmp_path / "runs")
 
 
-def test_heatmap_is_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
-    layer = fc.Linear(16, 16)
-    with fc.inspect(layer, every=1) as insp:
-        for _ in range(3):
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _inspected_mlp(steps: int = 3) -> fc.numerics.Report:
+    torch.manual_seed(0)
+    model = fc.convert(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)))
+    with fc.inspect(model, every=1) as insp:
+        for _ in range(steps):
             with fc.autocast(recipe=fc.Float8CurrentScaling()):
-                layer(torch.randn(16, 16)).sum().backward()
-    png = tmp_path / "sqnr.png"
-    insp.report().heatmap(png, metric="underflow")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+                out = model(torch.randn(16, 32) * torch.logspace(-3, 1, 32))
+            out.square().sum().backward()
+    return insp.report()
+
+
+@pytest.mark.parametrize("metric", ["rank_db", "underflow"])
+def test_heatmap_draws_each_layer_operand_and_step_worst_cell(tmp_path, metric):
+    # matplotlib is in the [dev] extra: this test runs wherever the suite does.
+    from matplotlib.figure import Figure
+
+    report = _inspected_mlp()
+    rows = report.rows()
+    png = tmp_path / "map.png"
+    fig = report.heatmap(png, metric=metric)
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+    assert isinstance(fig, Figure)
+    ax = fig.axes[0]  # the other one is the colour bar
+    # One row per (layer, operand): every layer shows its input, weight and gradient.
+    layers = sorted({r["layer"] for r in rows})
+    expected = [(layer, op) for layer in layers for op in ("input", "weight", "grad_output")]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"{a} {b}" for a, b in expected]
+    # One column per step; each cell the worst of that layer's operand's layouts, as
+    # worked out here from the rows.
+    steps = report.steps()
+    grid = ax.images[0].get_array()
+    assert grid.shape == (len(layers) * 3, len(steps)) == (6, 3)
+    worse = min if metric == "rank_db" else max
+    for i, (layer, operand) in enumerate(expected):
+        for j, step in enumerate(steps):
+            cell = [
+                r[metric]
+                for r in rows
+                if (r["layer"], r["operand"], r["step"]) == (layer, operand, step)
+            ]
+            assert len(cell) in (1, 2)  # one or both layouts
+            assert grid[i, j] == pytest.approx(worse(cell), rel=1e-12)
+    # The picture's worst cell is the report's worst row.
+    if metric == "rank_db":
+        worst = rows[0]  # rows() is worst first
+        assert grid.min() == pytest.approx(worst["rank_db"], rel=1e-12)
+        i, j = divmod(int(grid.argmin()), grid.shape[1])
+        assert expected[i] == (worst["layer"], worst["operand"]) and steps[j] == worst["step"]
+    else:
+        assert grid.max() == pytest.approx(max(r["underflow"] for r in rows), rel=1e-12)
+        assert grid.max() > 0  # the inputs span 4 decades: some underflow to show
+
+
+def test_heatmap_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
+    report = _inspected_mlp(steps=1)
+    for name in ("matplotlib", "matplotlib.figure"):  # even when already imported
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ImportError, match=r"needs matplotlib \(pip install matplotlib\)"):
+        report.heatmap(tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
+    assert report.rows() and report.table()  # the rest of the report needs no matplotlib
 
 
 def test_bad_arguments_are_refused_by_name():
