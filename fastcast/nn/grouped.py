@@ -19,8 +19,8 @@ from torch import nn
 
 from ..gemm_grouped import group_ids, grouped_mm, grouped_scaling
 from ..recipe import Recipe
-from ..runtime.state import OUTSIDE, AutocastFrame, get_stack
-from .recompute import checkpoint_region
+from ..runtime.state import AutocastFrame, get_stack
+from .recompute import checkpoint_region, checkpointed_call
 
 logger = logging.getLogger("fastcast")
 
@@ -90,19 +90,12 @@ class GroupedLinear(nn.Module):
 
 def current_frame(module: nn.Module) -> AutocastFrame:
     """The autocast frame ``module`` runs under: the thread's, or, when activation
-    checkpointing recomputes it, the one its original call ran under (as ``fc.Linear``
-    does: the recomputation usually runs after ``fc.autocast`` has exited)."""
+    checkpointing recomputes it, the one its original call ran under (``fc.Linear``'s
+    rule, ``checkpointed_call``: the recomputation usually runs after ``fc.autocast`` has
+    exited)."""
     frame = get_stack()[0]
     region = checkpoint_region(frame.active)
-    if region is None:
-        return frame
-    log, recomputing = region
-    if recomputing:
-        entry = log.replay(module)
-        return OUTSIDE if entry is None else entry[0]
-    if frame.active:
-        log.record(module, frame)
-    return frame
+    return frame if region is None else checkpointed_call(module, frame, *region)[0]
 
 
 # -- transformers 5 experts ---------------------------------------------------------------------
