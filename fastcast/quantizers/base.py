@@ -10,6 +10,7 @@ from ..formats import FP8_DTYPES
 from ..tensor import QuantizedTensor
 
 ROLES = ("input", "weight", "grad_output")
+PER_ROW = (1, 0)  # the block of one scale per row (``tensor.QuantizedTensor``)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -19,6 +20,11 @@ class Quantizer(Protocol):
 
     ``rowwise`` produces the layout scaled along the last dim, ``columnwise`` the
     transposed one scaled along the other dim (what backward GEMMs contract over).
+
+    Optionally, for grouped (mixture-of-experts) GEMMs, ``quantize_groups(m, groups, *,
+    columnwise)`` quantizes each group of rows as a tensor of its own, on the device, and
+    ``token_block`` says what its column-wise layout needs each group to start at a
+    multiple of (``quantizers.groups``); a quantizer without them is called per group.
     """
 
     fmt: str
@@ -58,5 +64,3 @@ def transposed_codes(codes: torch.Tensor) -> torch.Tensor:
     if not codes_t.is_cpu or torch.compiler.is_compiling():
         codes_t = codes_t.contiguous()
     return codes_t
-
-

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import torch
 
@@ -19,6 +20,7 @@ from ..reference.cast import as_matrix
 from ..reference.tiles import TILE, quantize_tiles_reference
 from ..tensor import Float8Tensor
 from .base import check_fp8_format, check_input
+from .groups import TokenGroups
 
 TILE_ROWS = {1: 1, 2: TILE}  # block_dim -> tile extent along R
 
@@ -83,6 +85,8 @@ class BlockScalingQuantizer:
     power_2_scales: bool = True
     amax_epsilon: float = 0.0
 
+    token_block: ClassVar[int] = TILE  # (quantize_groups: column-wise tiles run along R)
+
     def __post_init__(self) -> None:
         name = type(self).__name__
         check_fp8_format(name, self.fmt)
@@ -142,3 +146,13 @@ class BlockScalingQuantizer:
             scale_inv_t=scale_inv_t,
             block_t=self.block,
         )
+
+    def quantize_groups(
+        self, m: torch.Tensor, groups: TokenGroups, *, columnwise: bool = False
+    ) -> Float8Tensor | None:
+        """``m`` ``[R, D]`` per group of rows (``quantizers.groups``): 1x128 tiles along D
+        are each row's own, and along R, from group starts at multiples of 128, each
+        group's; None (one ``quantize`` per group) where tiles would span groups."""
+        if self.block_dim != 1 or (columnwise and not groups.aligned(TILE)):
+            return None
+        return self.quantize(m, rowwise=not columnwise, columnwise=columnwise)

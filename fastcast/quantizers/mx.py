@@ -19,6 +19,7 @@ from ..reference.cast import as_matrix
 from ..reference.mx import MX_BLOCK, quantize_blocks_reference
 from ..tensor import MXFP8Tensor
 from .base import check_fp8_format, check_input
+from .groups import TokenGroups
 
 SCALE_RULES = ("rceil", "ocp")
 
@@ -75,6 +76,7 @@ class MXFP8Quantizer:
     scale_rule: str = "rceil"
 
     block: ClassVar[tuple[int, int]] = (1, MX_BLOCK)
+    token_block: ClassVar[int] = MX_BLOCK  # (quantize_groups: column-wise blocks along R)
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -119,3 +121,13 @@ class MXFP8Quantizer:
             scale_inv_t=scale_inv_t,
             block_t=self.block,
         )
+
+    def quantize_groups(
+        self, m: torch.Tensor, groups: TokenGroups, *, columnwise: bool = False
+    ) -> MXFP8Tensor | None:
+        """``m`` ``[R, D]`` per group of rows (``quantizers.groups``): blocks along D are
+        each row's own, and along R, from group starts at multiples of 32, each group's;
+        None (one ``quantize`` per group) where blocks would span groups."""
+        if columnwise and not groups.aligned(MX_BLOCK):
+            return None
+        return self.quantize(m, rowwise=not columnwise, columnwise=columnwise)

@@ -23,8 +23,10 @@ from ..kernels import fused_op, tensorwise_op
 from ..profiling import annotate
 from ..reference.amax import record_amax_reference
 from ..reference.cast import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
+from ..reference.rows import row_amax
 from ..tensor import WHOLE, Float8Tensor
-from .base import check_fp8_format, check_input, transposed_codes
+from .base import PER_ROW, check_fp8_format, check_input, transposed_codes
+from .groups import TokenGroups
 
 
 def quantize_with_scale(
@@ -83,13 +85,16 @@ class CurrentScalingQuantizer:
     """Scale from this tensor's amax. A value object: equal fields, equal quantizers.
 
     With ``amax_reduction_group`` the amax is the max over the group's ranks (tensor- or
-    sequence-parallel layers whose shards must share one scale).
+    sequence-parallel layers whose shards must share one scale). ``margin``: the scale is
+    ``fmt_max / amax / 2**margin`` (delayed scaling's margin, for the grouped GEMMs that
+    run it as current scaling per token group).
     """
 
     fmt: str = "e4m3"
     power_2_scales: bool = False
     amax_epsilon: float = 0.0
     amax_reduction_group: Any = None
+    margin: int = 0
 
     def __post_init__(self) -> None:
         check_fp8_format(type(self).__name__, self.fmt)
@@ -99,7 +104,7 @@ class CurrentScalingQuantizer:
         self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False
     ) -> Float8Tensor:
         check_input(x)
-        if self.amax_reduction_group is None:
+        if self.amax_reduction_group is None and not self.margin:
             op = tensorwise_op(x)
             if op is not None:  # amax, scale and cast in one operator
                 # (The CPU kernel writes the row-wise data only: the column-wise layout
@@ -112,13 +117,29 @@ class CurrentScalingQuantizer:
             from ..distributed import all_reduce_max  # noqa: PLC0415 - only with a group
 
             all_reduce_max(amax, self.amax_reduction_group)
-        scale = scale_from_amax(
+        scale = self._scale(amax)
+        return quantize_with_scale(x, scale, self.fmt, rowwise, columnwise)
+
+    def _scale(self, amax: torch.Tensor) -> torch.Tensor:
+        return scale_from_amax(
             amax,
             ELEMENT_MAX[self.fmt],
+            margin=self.margin,
             power_2=self.power_2_scales,
             epsilon=self.amax_epsilon,
         )
-        return quantize_with_scale(x, scale, self.fmt, rowwise, columnwise)
+
+    def quantize_groups(
+        self, m: torch.Tensor, groups: TokenGroups, *, columnwise: bool = False
+    ) -> Float8Tensor:
+        """``m`` ``[R, D]`` with one scale per group of rows (``quantizers.groups``), held
+        per row; casting with one scale is elementwise, so the row-wise layout is the
+        column-wise one too, and it is what is returned either way."""
+        rows = self._scale(groups.amax(row_amax(m, 1).squeeze(1)))[groups.ids].unsqueeze(1)
+        data = scale_and_cast(m, rows, self.fmt)
+        return Float8Tensor.assemble(
+            self.fmt, m.shape, m.dtype, data, rows.reciprocal(), PER_ROW, None, None, WHOLE
+        )
 
 
 class DelayedScalingQuantizer:

@@ -40,6 +40,7 @@ class Plan:
         "grad_q",
         "row_alignment",
         "wgrad_high_precision",
+        "sharding",
     )
 
     # Per-call attributes a stateful call may set; a stateless plan never replays.
@@ -61,6 +62,9 @@ class Plan:
         # Scheme.wgrad_high_precision: the wgrad GEMM takes the unquantized gradient and
         # input (the input quantizer then makes no column-wise layout).
         self.wgrad_high_precision = wgrad_high_precision
+        # The tensor-parallel sharding the quantizers were made for (None: the whole
+        # tensors); set by ``nn.function.plan_for``, which keeps a plan while it stays.
+        self.sharding: Any = None
 
     def matches(self, frame: AutocastFrame) -> bool:
         """Whether this plan is still the one for ``frame`` (in this thread)."""
@@ -170,6 +174,12 @@ class Scheme:
     def quantizers(self, recipe: Recipe, group: Any = None) -> tuple[Quantizer, ...]:
         """``(input, weight, grad_output)`` quantizers."""
         return tuple(self.quantizer(recipe, role, group) for role in ROLES)
+
+    def grouped_quantizers(self, recipe: Recipe) -> tuple[Quantizer, ...]:
+        """``(input, weight, grad_output)`` quantizers of grouped (mixture-of-experts)
+        GEMMs, which quantize each token group and each expert as a tensor of its own
+        (``quantizers.groups.quantize_groups``); a TypeError says why ``recipe`` has none."""
+        return self.quantizers(recipe)
 
     def prepare(
         self, recipe: Recipe, module_state: dict[Any, ModuleState], device: torch.device

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from ...quantizers.base import Quantizer
+from ...quantizers.base import ROLES, Quantizer
+from ...quantizers.tensorwise import CurrentScalingQuantizer
 from ...recipe import DelayedScaling
 from ...runtime.state import AutocastFrame, thread_state
 from ...tensor import TENSORWISE
@@ -51,6 +52,15 @@ class DelayedScalingScheme(Scheme):
         raise ValueError(
             "DelayedScaling is stateful (its scales come from an amax history): quantize "
             "through fc.Linear under fc.autocast, or use Float8CurrentScaling"
+        )
+
+    def grouped_quantizers(self, recipe: DelayedScaling) -> tuple[Quantizer, ...]:
+        """Per-tensor current scaling per token group and per expert, in the recipe's
+        formats and margin: the experts keep no amax history (one per token group would
+        describe groups whose sizes change every step)."""
+        fmt = recipe.fp8_format
+        return tuple(
+            CurrentScalingQuantizer(fmt=fmt.for_role(role), margin=recipe.margin) for role in ROLES
         )
 
     def prepare(
