@@ -26,7 +26,7 @@ from .weight_cache import WeightCache, quantize_weight
 
 class GatheredInput(Protocol):
     """The hook for an input gathered across ranks before the GEMMs (sequence parallelism:
-    ``sequence_parallel.SequenceGather``). The Function calls it, never the module."""
+    ``sequence_parallel.InputGather``). The Function calls it, never the module."""
 
     def quantize(
         self, x: torch.Tensor, quantizer: Any, columnwise: bool
