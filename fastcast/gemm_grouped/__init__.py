@@ -50,6 +50,7 @@ __all__ = [
     "group_ids",
     "grouped_dgrad",
     "grouped_forward",
+    "grouped_gemm",
     "grouped_mm",
     "grouped_scaling",
     "grouped_wgrad",
@@ -125,8 +126,14 @@ def grouped_mm(
     cumulative group ends, on ``x``'s device), quantized as ``recipe`` says, differentiable
     in ``x`` and ``weight``. Rows past ``offs[-1]`` are left unspecified, as in
     ``torch._grouped_mm``."""
+    return grouped_gemm(x, weight, offs, grouped_scaling(recipe))
+
+
+def grouped_gemm(
+    x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, s: GroupedScaling
+) -> torch.Tensor:
+    """``grouped_mm`` under the recipe's ``grouped_scaling``, which a module keeps."""
     _check(x, weight, offs)
-    s = grouped_scaling(recipe)
     return GroupedGemm.apply(x, weight, offs, s)
 
 

@@ -14,7 +14,7 @@ class GroupedScaling:
     """The scheme's answers for one recipe (``grouped_scaling``): its GEMM family (which
     decides the hardware kernel; None: the quantizers' own), the quantizers of the three
     roles (``Scheme.grouped_quantizers``), what the experts' features must be multiples
-    of, and whether the weight gradient runs in high precision."""
+    of, and whether the weight gradient runs in high precision; ``recipe``: whose."""
 
     family: str | None
     input_q: Any
@@ -22,6 +22,7 @@ class GroupedScaling:
     grad_q: Any
     alignment: int
     wgrad_high_precision: bool = False
+    recipe: Recipe | None = None
 
     def quantizer(self, role: str) -> Any:
         return {"input": self.input_q, "weight": self.weight_q}.get(role, self.grad_q)
@@ -47,4 +48,5 @@ def grouped_scaling(recipe: Recipe) -> GroupedScaling:
         grad_q,
         scheme.alignment(recipe),
         scheme.wgrad_high_precision(recipe),
+        recipe,
     )

@@ -95,7 +95,7 @@ class NVFP4Quantizer:
             if not isinstance(value, bool):
                 raise ValueError(f"NVFP4Quantizer: {name} must be a bool, got {value!r}")
         if self.rht is not None:
-            hadamard.rht_matrix(self.rht)  # checks the signs
+            hadamard.check_signs(self.rht)
             if self.block_2d:
                 raise ValueError(
                     "NVFP4Quantizer: rht transforms the 1x16 column-wise layout; 16x16 tiles "
