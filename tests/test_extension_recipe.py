@@ -5,8 +5,8 @@ kind and parallelism, each checked against a float64 reference or one process.
 
 The recipe: per-tensor FP8 whose scale is a power of two with ``margin`` powers of two
 of headroom (``2**(floor(log2(fmt_max / amax)) - margin)``), E4M3 forward, E5M2
-gradients. Nothing in fastcast names it; the grouped parts need the grouped GEMM to
-quantize through the schemes' quantizers (issue 33, i33b) and are marked so. Tensor and
+gradients. Nothing in fastcast names it; the grouped GEMMs quantize through the scheme's
+``grouped_quantizers`` (its quantizers, called per token group). Tensor and
 sequence parallelism and the FSDP2 gather, on two ranks:
 ``tests/distributed/test_extension_recipe_ranks.py``.
 """
@@ -225,7 +225,6 @@ def _grouped64(x, weight, counts):
     return torch.cat(outs)
 
 
-@pytest.mark.xfail(reason="needs grouped quantizers (i33b)", strict=True)
 def test_grouped_linear_matches_float64_per_token_group():
     torch.manual_seed(3)
     counts = [5, 0, 40, 19]
@@ -237,7 +236,6 @@ def test_grouped_linear_matches_float64_per_token_group():
     close(y, _grouped64(x, layer.weight, counts))
 
 
-@pytest.mark.xfail(reason="needs grouped quantizers (i33b)", strict=True)
 def test_converted_experts_match_float64():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3MoeConfig(

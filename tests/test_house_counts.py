@@ -11,8 +11,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The counts reached so far: lower them as the rules are met, never raise them.
 CEILINGS = {
-    "recipe_classes_outside": 34,
-    "quantizer_classes_outside": 31,
+    "recipe_classes_outside": 0,
+    # 8 of them name quantizers.groups.TokenGroups, the argument of quantize_groups that
+    # the grouped GEMMs build (a value, not a quantizer class).
+    "quantizer_classes_outside": 11,
     "private_torch_reads": 0,
     "private_torch_reads_in_adapter": 5,
     # One, on purpose: fc.convert(model, autocast=True) sets the converted model's own
@@ -21,8 +23,8 @@ CEILINGS = {
     "replacements": 1,
     "files_over_400_lines": 4,
     "import_cycles": 0,
-    "package_import_cycles": 1,
-    "longest_module_docstring": 59,
+    "package_import_cycles": 0,
+    "longest_module_docstring": 51,
 }
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch._dynamo.comptime import comptime
 
-from ..nn.linear import plan_for
+from ..nn.function import plan_for
 from ..nn.recompute import checkpoint_region
 from ..nn.weight_cache import WeightCache, quantize_weight
 from ..quantizers.reduction import all_reduce_max
@@ -23,7 +23,11 @@ from .delayed import traced_delayed_plan
 
 
 @torch.compiler.substitute_in_graph(plan_for, skip_signature_check=True)
-def _traced_plan_for(module: Any, frame: AutocastFrame, weight: torch.Tensor) -> Plan:
+def _traced_plan_for(
+    module: Any, frame: AutocastFrame, weight: torch.Tensor, sharding: Any = None
+) -> Plan:
+    if sharding is not None:  # a tensor-parallel layer's (its group reductions refuse)
+        return sharding.plan(module, frame, weight)
     scheme = scheme_for(frame.recipe)
     if scheme.stateful and type(scheme).traced_quantizers is not Scheme.traced_quantizers:
         return traced_delayed_plan(module, frame)

@@ -12,18 +12,13 @@ operations make no device-to-host synchronisation and compile with ``fullgraph=T
 on its fallback, which reads ``offs`` back to the host. Only the GEMMs on
 ``torch._scaled_grouped_mm`` are free of it; docs/cuda.md.)
 
-Scaling, per recipe family (the contraction dim of each GEMM is the one blocks run
-along, as for the dense GEMMs):
-
-- per-tensor (``Float8CurrentScaling``; ``DelayedScaling`` too, see ``grouped_scaling``):
-  one scale per expert's weight and one per token group;
-- row-wise: per token (forward, dgrad), per expert row / column of the weight, per
-  (group, feature) for the weight-gradient operands, which contract over the tokens;
-- 1x128 / 128x128 blocks, MXFP8 (1x32, E8M0), NVFP4 (1x16 or 16x16, E4M3 block scales
-  and an FP32 scale per expert / per token group): blocks along K; the weight-gradient
-  operands have blocks along the tokens, so each group is padded with zero rows to the
-  block multiple (at device-computed positions, into a buffer of a size known from the
-  shapes alone: ``T + E * (block - 1)``), so that no block spans two experts.
+Quantization: the recipe's scheme gives the quantizers (``Scheme.grouped_quantizers``),
+and each quantizes every token group, and every expert's weight, as a tensor of its own
+(``quantizers.groups.quantize_groups``): scales that span the tokens (per-tensor,
+NVFP4's tensor scale) are per group, and the weight-gradient operands, whose blocks run
+along the tokens, have each group padded with zero rows to the block multiple (at
+device-computed positions, into a buffer of a size known from the shapes alone: ``T +
+E * (block - 1)``), so that no block spans two experts.
 
 Backends, chosen by capability as for the dense GEMMs (``hardware.grouped_gemm_backend``):
 ``torch._scaled_grouped_mm`` on CUDA GPUs that have it (sm90, sm100) for the per-tensor
@@ -32,9 +27,9 @@ elsewhere (the CPU) the emulation: each operand quantized and dequantized in one
 (the codes the hardware would read, times their scales, in FP32) and multiplied by
 ``torch._grouped_mm`` in FP32 (FP32 accumulation, as the tensor cores).
 
-Here: ``grouped_mm`` and its autograd Function; ``scaling.py`` (what a recipe means for
-the grouped GEMM), ``groups.py`` (token groups on the device), ``emulation.py`` (the
-emulated operands) and ``gemms.py`` (the three GEMMs, on the hardware or emulated).
+Here: ``grouped_mm`` and its autograd Function; ``scaling.py`` (what the scheme says of
+a recipe), ``emulation.py`` (the emulated operands) and ``gemms.py`` (the three GEMMs,
+on the hardware or emulated).
 """
 
 from __future__ import annotations
@@ -43,22 +38,21 @@ from typing import Any
 
 import torch
 
+from ..quantizers.groups import TokenGroups, group_amax, group_ids, pad_groups, padded_rows
 from ..recipe import Recipe
-from .emulation import E2M1_MAX, E4M3_MAX, quantize_columns, quantize_rows, quantize_weight
+from .emulation import token_values, weight_values
 from .gemms import grouped_dgrad, grouped_forward, grouped_wgrad, operands_2d_2d, operands_2d_3d
-from .groups import group_amax, group_ids, pad_groups, padded_rows
-from .scaling import BLOCK_TILE, GroupedScaling, grouped_scaling
+from .scaling import GroupedScaling, grouped_scaling
 
 __all__ = [
-    "BLOCK_TILE",
-    "E2M1_MAX",
-    "E4M3_MAX",
     "GroupedGemm",
     "GroupedScaling",
+    "TokenGroups",
     "group_amax",
     "group_ids",
     "grouped_dgrad",
     "grouped_forward",
+    "grouped_gemm",
     "grouped_mm",
     "grouped_scaling",
     "grouped_wgrad",
@@ -67,9 +61,8 @@ __all__ = [
     "output_dtype",
     "pad_groups",
     "padded_rows",
-    "quantize_columns",
-    "quantize_rows",
-    "quantize_weight",
+    "token_values",
+    "weight_values",
 ]
 
 
@@ -135,8 +128,14 @@ def grouped_mm(
     cumulative group ends, on ``x``'s device), quantized as ``recipe`` says, differentiable
     in ``x`` and ``weight``. Rows past ``offs[-1]`` are left unspecified, as in
     ``torch._grouped_mm``."""
+    return grouped_gemm(x, weight, offs, grouped_scaling(recipe))
+
+
+def grouped_gemm(
+    x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, s: GroupedScaling
+) -> torch.Tensor:
+    """``grouped_mm`` under the recipe's ``grouped_scaling``, which a module keeps."""
     _check(x, weight, offs)
-    s = grouped_scaling(recipe)
     return GroupedGemm.apply(x, weight, offs, s)
 
 

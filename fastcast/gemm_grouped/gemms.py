@@ -1,23 +1,21 @@
 """The three grouped GEMMs (forward, dgrad, wgrad), each on the hardware or emulated.
 
 ``torch._scaled_grouped_mm`` runs where ``hardware.grouped_gemm_backend`` says it can
-(per-tensor and row-wise families, E4M3 operands), with its operands laid out here
-(``operands_2d_3d``, ``operands_2d_2d``); otherwise the emulated operands
+(per-tensor and row-wise families, E4M3 operands), with the quantizers' codes and scales
+laid out here (``operands_2d_3d``, ``operands_2d_2d``); otherwise the emulated operands
 (``emulation.py``) are multiplied by ``torch._grouped_mm`` in FP32, through an opaque
 operator under tracing (its own fake kernel refuses FP32).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ..formats import ELEMENT_MAX
-from ..reference.cast import scale_and_cast, scale_from_amax
-from ..reference.rows import row_amax
+from ..quantizers.groups import TokenGroups, pad_groups, quantize_groups
 from ..runtime import hardware
-from ..tensor import TENSORWISE
-from .emulation import quantize_columns, quantize_rows, quantize_weight
-from .groups import group_amax, pad_groups
+from .emulation import token_values, weight_values
 from .scaling import GroupedScaling
 
 
@@ -44,27 +42,12 @@ def _grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> to
     return mm(a, b, offs=offs)
 
 
-def _hardware(s: GroupedScaling, device_type: str, *fmts: str) -> bool:
+def _hardware(s: GroupedScaling, device_type: str, *quantizers: Any) -> bool:
     """Whether ``torch._scaled_grouped_mm`` runs this GEMM (E4M3 operands only)."""
     backend, reason = hardware.grouped_gemm_backend(device_type, s.family)
     if backend is None:
         raise RuntimeError(f"grouped GEMM: {reason}")
-    return backend == "hardware" and all(f == "e4m3" for f in fmts)
-
-
-def _row_codes(
-    m: torch.Tensor, s: GroupedScaling, role: str, gid: torch.Tensor, groups: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 codes of ``m`` ``[R, D]`` along D and their per-row dequantization scales
-    ``[R]`` (a group's per-tensor scale repeated over its rows): the hardware operands."""
-    fmt = s.fmt(role)
-    amax = row_amax(m, 1).squeeze(1)
-    if s.family == TENSORWISE:
-        amax = group_amax(amax, gid, groups)[gid]
-    scale = scale_from_amax(
-        amax, ELEMENT_MAX[fmt], margin=s.margin, power_2=s.power_2, epsilon=s.epsilon
-    )
-    return scale_and_cast(m, scale.unsqueeze(1), fmt), scale.reciprocal()
+    return backend == "hardware" and all(q.fmt == "e4m3" for q in quantizers)
 
 
 def grouped_forward(
@@ -76,11 +59,10 @@ def grouped_forward(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``out[t] = x[t] @ w[group(t)].T`` quantized as ``s`` says; ``[T, N]``."""
-    experts = w.shape[0]
-    if _hardware(s, x.device.type, s.fmt_input, s.fmt_weight):
+    if _hardware(s, x.device.type, s.input_q, s.weight_q):
         return _scaled_2d_3d(x, w, offs, s, gid, ("input", "weight"), out_dtype)
-    xq = quantize_rows(x, s, "input", gid, experts)
-    wq = quantize_weight(w, s)
+    xq = token_values(s.input_q, x, TokenGroups(gid, w.shape[0]))
+    wq = weight_values(s.weight_q, w)
     return _grouped_mm_fp32(xq, wq.transpose(1, 2), offs).to(out_dtype)
 
 
@@ -92,15 +74,14 @@ def grouped_dgrad(
     gid: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``dx[t] = g[t] @ w[group(t)]``; ``[T, K]``."""
-    experts = w.shape[0]
-    wt_family = TENSORWISE if s.wgrad_high_precision else s.family
-    if wt_family == s.family and _hardware(s, g.device.type, s.fmt_grad, s.fmt_weight):
+    """``dx[t] = g[t] @ w[group(t)]``; ``[T, K]``. (A weight scaled per tensor for dgrad,
+    the high-precision wgrad's, has no kernel of the row-wise family: emulated.)"""
+    if not s.wgrad_high_precision and _hardware(s, g.device.type, s.grad_q, s.weight_q):
         return _scaled_2d_3d(
             g, w.transpose(1, 2), offs, s, gid, ("grad_output", "weight"), out_dtype
         )
-    gq = quantize_rows(g, s, "grad_output", gid, experts)
-    wq = quantize_weight(w, s, along_n=True)
+    gq = token_values(s.grad_q, g, TokenGroups(gid, w.shape[0]))
+    wq = weight_values(s.weight_q, w, along_n=True)
     return _grouped_mm_fp32(gq, wq, offs).to(out_dtype)
 
 
@@ -118,14 +99,16 @@ def grouped_wgrad(
         dtype = g.dtype if g.dtype == x.dtype else torch.float32
         return _grouped_mm_fp32(g.t().to(dtype).float(), x.float(), offs).to(out_dtype)
     block = s.block
-    if _hardware(s, g.device.type, s.fmt_grad, s.fmt_input):
+    on_hardware = _hardware(s, g.device.type, s.grad_q, s.input_q)
+    if on_hardware:
         block = 16  # the kernel's K alignment: each group's tokens a multiple of 16
     gp, offs_p, gid_p = pad_groups(g, offs, gid, block)
     xp, _, _ = pad_groups(x, offs, gid, block)
-    if _hardware(s, g.device.type, s.fmt_grad, s.fmt_input):
+    if on_hardware:
         return _scaled_2d_2d(gp, xp, offs_p, s, gid_p, experts, out_dtype)
-    gq = quantize_columns(gp, s, "grad_output", gid_p, experts)
-    xq = quantize_columns(xp, s, "input", gid_p, experts)
+    groups = TokenGroups(gid_p, experts, block)
+    gq = token_values(s.grad_q, gp, groups, columnwise=True)
+    xq = token_values(s.input_q, xp, groups, columnwise=True)
     return _grouped_mm_fp32(gq.t(), xq, offs_p).to(out_dtype)
 
 
@@ -155,15 +138,15 @@ def operands_2d_3d(
     row-major ``[T, K]`` and column-major ``[E, K, N]`` E4M3, per-row scales ``[T]`` (per
     token, or the token's group's) and ``[E, N]`` (per expert row, or per expert)."""
     experts, n, k = b.shape
-    a_codes, a_scale = _row_codes(a, s, roles[0], gid, experts)
-    b_gid = torch.arange(experts, device=b.device).repeat_interleave(n)
-    b_codes, b_scale = _row_codes(b.reshape(experts * n, k), s, roles[1], b_gid, experts)
-    b_codes = b_codes.reshape(experts, n, k).transpose(1, 2)  # column-major [E, K, N]
+    a_q = quantize_groups(s.quantizer(roles[0]), a, TokenGroups(gid, experts))
+    b_rows = TokenGroups.uniform(experts, n, b.device)
+    b_q = quantize_groups(s.quantizer(roles[1]), b.reshape(experts * n, k), b_rows)
+    b_codes = b_q.data.reshape(experts, n, k).transpose(1, 2)  # column-major [E, K, N]
     return (
-        a_codes.contiguous(),
+        a_q.data.contiguous(),
         b_codes,
-        a_scale.contiguous(),
-        b_scale.reshape(experts, n).contiguous(),
+        a_q.scale_inv.reshape(-1).contiguous(),
+        b_q.scale_inv.reshape(experts, n).contiguous(),
     )
 
 
@@ -188,20 +171,21 @@ def operands_2d_2d(
     """The weight-gradient operands: row-major ``gp.T`` and column-major ``xp`` codes,
     scales per (group, feature) of each (the group's one scale for per-tensor scaling),
     flattened group by group: ``[E * N]`` and ``[E * K]``."""
+    groups = TokenGroups(gid_p, experts)
     codes, scales = [], []
     for m, role in ((gp, "grad_output"), (xp, "input")):
-        fmt = s.fmt(role)
-        rows, cols = m.shape
-        amax = torch.zeros(experts, cols, dtype=torch.float32, device=m.device)
-        index = gid_p.unsqueeze(1).expand(rows, cols)
-        amax.scatter_reduce_(0, index, m.float().abs(), "amax", include_self=True)
-        if s.family == TENSORWISE:
-            amax = amax.amax(dim=1, keepdim=True).expand(experts, cols)
-        scale = scale_from_amax(
-            amax, ELEMENT_MAX[fmt], margin=s.margin, power_2=s.power_2, epsilon=s.epsilon
-        )
-        codes.append(scale_and_cast(m, scale[gid_p], fmt))
-        scales.append(scale.reciprocal().reshape(-1).contiguous())
+        q = quantize_groups(s.quantizer(role), m, groups, columnwise=True)
+        codes.append(q.data)
+        scales.append(_per_group(q.scale_inv, gid_p, experts, m.shape[1]))
     a = codes[0].t().contiguous()  # row-major [N, Tp]
     b = codes[1].t().contiguous().t()  # column-major [Tp, K]
     return a, b, scales[0], scales[1]
+
+
+def _per_group(scale_inv: torch.Tensor, gid: torch.Tensor, experts: int, cols: int) -> torch.Tensor:
+    """A quantizer's per-row or per-element scales (one value in each group, per feature)
+    as the kernel reads them: ``[experts * cols]``; an empty group's scale is 1."""
+    out = torch.ones(experts, scale_inv.shape[1], dtype=torch.float32, device=scale_inv.device)
+    index = gid.unsqueeze(1).expand(scale_inv.shape)
+    out.scatter_reduce_(0, index, scale_inv.float(), "amax", include_self=False)
+    return out.expand(experts, cols).reshape(-1).contiguous()

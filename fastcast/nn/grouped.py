@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..gemm_grouped import group_ids, grouped_mm, grouped_scaling
+from ..gemm_grouped import GroupedScaling, group_ids, grouped_gemm, grouped_scaling
 from ..recipe import Recipe
-from ..runtime.state import OUTSIDE, AutocastFrame, get_stack
-from .recompute import checkpoint_region
+from ..runtime.state import AutocastFrame, get_stack
+from .recompute import checkpoint_region, checkpointed_call
 
 logger = logging.getLogger("fastcast")
 
@@ -71,6 +71,9 @@ class GroupedLinear(nn.Module):
             if self.bias is not None:
                 self.bias.uniform_(-bound, bound)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return _without_kept(self.__dict__)
+
     def extra_repr(self) -> str:
         return (
             f"num_groups={self.num_groups}, in_features={self.in_features}, "
@@ -80,7 +83,7 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         frame = current_frame(self)
         if frame.enabled:
-            out = grouped_mm(x, self.weight, offs, frame.recipe)
+            out = grouped_gemm(x, self.weight, offs, kept_scaling(self, frame.recipe))
         else:
             out = torch._grouped_mm(x, self.weight.transpose(1, 2), offs=offs)
         if self.bias is not None:
@@ -88,21 +91,34 @@ class GroupedLinear(nn.Module):
         return out
 
 
+# Where a module keeps its grouped scaling (a runtime cache, left out of pickles).
+_KEPT = "_fc_grouped_scaling"
+
+
+def kept_scaling(module: nn.Module, recipe: Recipe) -> GroupedScaling:
+    """``module``'s ``grouped_scaling`` of ``recipe``, kept while the recipe stays (as
+    ``fc.Linear`` keeps its plan: its quantizers are built once); built afresh in traced
+    code, which must not mutate the module."""
+    if torch.compiler.is_compiling():
+        return grouped_scaling(recipe)
+    kept = module.__dict__.get(_KEPT)
+    if kept is None or kept.recipe is not recipe:
+        kept = module.__dict__[_KEPT] = grouped_scaling(recipe)
+    return kept
+
+
+def _without_kept(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if k != _KEPT}
+
+
 def current_frame(module: nn.Module) -> AutocastFrame:
     """The autocast frame ``module`` runs under: the thread's, or, when activation
-    checkpointing recomputes it, the one its original call ran under (as ``fc.Linear``
-    does: the recomputation usually runs after ``fc.autocast`` has exited)."""
+    checkpointing recomputes it, the one its original call ran under (``fc.Linear``'s
+    rule, ``checkpointed_call``: the recomputation usually runs after ``fc.autocast`` has
+    exited)."""
     frame = get_stack()[0]
     region = checkpoint_region(frame.active)
-    if region is None:
-        return frame
-    log, recomputing = region
-    if recomputing:
-        entry = log.replay(module)
-        return OUTSIDE if entry is None else entry[0]
-    if frame.active:
-        log.record(module, frame)
-    return frame
+    return frame if region is None else checkpointed_call(module, frame, *region)[0]
 
 
 # -- transformers 5 experts ---------------------------------------------------------------------
@@ -146,7 +162,7 @@ class _FastcastExperts:
         # The derived class is made at run time: pickle (and deepcopy) rebuild it from the
         # transformers class it derives from.
         base = type(self).__mro__[2]
-        return (_rebuild, (base,), self.__dict__)
+        return (_rebuild, (base,), _without_kept(self.__dict__))
 
 
 def _rebuild(base: type) -> Any:
@@ -184,10 +200,11 @@ def experts_forward(
     counts = torch.zeros(experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, sorted_ids.long(), torch.ones_like(sorted_ids, dtype=torch.int64))
     offs = torch.cumsum(counts, 0).to(torch.int32)
+    scaling = kept_scaling(module, recipe)
 
     def linear(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w = weight.transpose(1, 2) if module.is_transposed else weight
-        out = grouped_mm(inp, w, offs, recipe)
+        out = grouped_gemm(inp, w, offs, scaling)
         if bias is not None:
             out = out + bias[sorted_ids].to(out.dtype)
         return out

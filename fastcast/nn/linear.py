@@ -12,9 +12,7 @@ from torch import nn
 from ..distributed import is_dtensor
 from ..quantizers.base import check_input
 from ..recipe import Recipe
-from ..runtime.observers import attached as _observers
-from ..runtime.observers import observe_plan
-from ..runtime.state import OUTSIDE, AutocastFrame, get_stack, mark_ran
+from ..runtime.state import AutocastFrame, get_stack, mark_ran
 from ..schemes import ModuleState, Plan, follow_device, reset_module_state, scheme_for
 from ..serialization.extra_state import (
     EXTRA_STATE_KEY,
@@ -22,8 +20,8 @@ from ..serialization.extra_state import (
     encode_extra_state,
     legacy_pickled_state,
 )
-from .function import LinearFunction, forward_gemm
-from .recompute import RecomputeLog, checkpoint_region
+from .function import linear_gemms, plan_for
+from .recompute import checkpoint_region, checkpointed_call
 from .weight_cache import WeightCache
 
 
@@ -121,7 +119,7 @@ class Linear(nn.Linear):
         replay = record = None
         region = checkpoint_region(frame.active)
         if region is not None:  # activation checkpointing: record, or replay the original
-            frame, replay, record = self._checkpointed(frame, *region)
+            frame, replay, record = checkpointed_call(self, frame, *region)
         if not frame.enabled:
             if x.__class__ is not torch.Tensor and is_dtensor(x):
                 # QuantizedColwiseParallel leaves a sequence-sharded input to the layer,
@@ -145,21 +143,8 @@ class Linear(nn.Linear):
                     self, x, weight, bias, frame, is_first_microbatch, replay, record
                 )
             plan = plan_for(self, frame, weight)
-            autograd = torch.is_grad_enabled() and (
-                x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-            )
-            call = plan.call(autograd, replay, record)
             cache = self._weight_cache
-            if not autograd:
-                return forward_gemm(
-                    x, weight, bias, call, cache, is_first_microbatch, False, False
-                )[0]
-            rows = x.numel() // self.in_features
-            if rows % plan.row_alignment and weight.requires_grad:
-                return _padded(
-                    x, rows, plan.row_alignment, weight, bias, call, cache, is_first_microbatch
-                )
-            return LinearFunction.apply(x, weight, bias, call, cache, is_first_microbatch)
+            return linear_gemms(x, weight, bias, plan, cache, is_first_microbatch, replay, record)
         except _NAMED as exc:
             if type(exc) in _NAMED:  # subclasses (out of memory, say) pass through as they are
                 raise type(exc)(f"{self._where()}: {exc}") from exc
@@ -172,17 +157,6 @@ class Linear(nn.Linear):
         name = self._fc_name
         where = f"fc.Linear {name!r} ({features})" if name else f"fc.Linear({features})"
         return where if key is None else f"{where} at {key!r}"
-
-    def _checkpointed(
-        self, frame: AutocastFrame, log: RecomputeLog, recomputing: bool
-    ) -> tuple[AutocastFrame, Any, Any]:
-        """``(frame, replay, record)`` for a call inside a checkpointed region: the
-        recomputation runs under the original call's frame and replays its entry (a call
-        that recorded nothing ran in high precision); an original call records one."""
-        if recomputing:
-            entry = log.replay(self)
-            return (OUTSIDE, None, None) if entry is None else (entry[0], entry, None)
-        return frame, None, (log.record(self, frame) if frame.active else None)
 
     def _calibrate(self, x: torch.Tensor, weight: torch.Tensor, frame: AutocastFrame) -> None:
         """High-precision run that lets stateful schemes record what they need."""
@@ -437,20 +411,6 @@ def _on_registration(parent: nn.Module, name: str, child: nn.Module | None) -> N
 torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
 
 
-def plan_for(module: Linear, frame: AutocastFrame, weight: torch.Tensor) -> Plan:
-    """``module``'s plan for the frame's (recipe, group), rebuilt only when it changes.
-
-    (A function, not a method, so that ``fastcast.compile`` can give compiled code its own.)
-    """
-    plan = module._plan
-    if plan is None or not plan.matches(frame):
-        scheme = scheme_for(frame.recipe)
-        plan = module._plan = scheme.plan(frame, module._scheme_state, weight.device)
-    if _observers:  # the state manager's observer point (fc.inspect): one test when none
-        return observe_plan(module, frame, plan)
-    return plan
-
-
 # Exceptions forward re-raises with the layer's name in front (exact types only).
 _NAMED = (ValueError, TypeError, RuntimeError)
 
@@ -476,28 +436,6 @@ def _check_dtypes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         f"bias and weight must have the same dtype, but got {bias.dtype} (bias) and "
         f"{weight.dtype} (weight), as nn.Linear requires outside torch.autocast"
     )
-
-
-def _padded(
-    x: torch.Tensor,
-    rows: int,
-    align: int,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    call: Any,
-    cache: WeightCache,
-    first: bool | None,
-) -> torch.Tensor:
-    """LinearFunction over ``x``'s ``[R, K]`` rows padded with zero rows to a multiple of
-    ``align`` (the column-wise blocks of the weight gradient run along R), sliced back.
-
-    Autograd does the rest: the sliced-off rows get zero gradients and the pad's backward
-    drops their input gradients; zero rows in both the input and the gradient add nothing
-    to the weight gradient, nor to the bias gradient.
-    """
-    x2d = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % align))
-    out = LinearFunction.apply(x2d, weight, bias, call, cache, first)[:rows]
-    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _tensor_parallel() -> Any:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..runtime.state import AutocastFrame
+from ..runtime.state import OUTSIDE, AutocastFrame
 from .torch_checkpoint import current_graph_task_id, region
 
 _LOG_ATTR = "_fastcast_recompute_log"
@@ -75,3 +75,16 @@ def checkpoint_region(active: bool) -> tuple[RecomputeLog, bool] | None:
         log = RecomputeLog()
         setattr(owner, _LOG_ATTR, log)
     return log, recomputing
+
+
+def checkpointed_call(
+    module: Any, frame: AutocastFrame, log: RecomputeLog, recomputing: bool
+) -> tuple[AutocastFrame, list[Any] | None, list[Any] | None]:
+    """``(frame, replay, record)`` of ``module``'s call inside a checkpointed region
+    (``checkpoint_region``'s ``log, recomputing``): a recomputation runs under the
+    original call's frame and replays its entry (a call that recorded nothing ran in high
+    precision); an original call that quantizes or records gets an entry to fill."""
+    if recomputing:
+        entry = log.replay(module)
+        return (OUTSIDE, None, None) if entry is None else (entry[0], entry, None)
+    return frame, None, (log.record(module, frame) if frame.active else None)

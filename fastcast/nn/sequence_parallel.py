@@ -6,7 +6,8 @@ layer needs them all. ``fastcast.distributed.QuantizedColwiseParallel`` hands an
 rank quantizes its slice's row-wise layout with the plan's input quantizer
 ``over_shards`` the tokens (scales spanning the tokens from amaxes max-reduced over the
 group), and the group all-gathers the codes, with the scales where they are per token,
-in one ``uint8`` collective; the forward GEMM takes the gathered operand. The weight
+in one ``uint8`` collective; the forward GEMM takes the gathered operand. (The GEMMs are
+``nn.function.LinearFunction``'s; ``InputGather`` is its input gather hook.) The weight
 gradient contracts over the tokens: one scale for the whole tensor makes its operand the
 transposed gathered codes; otherwise each rank keeps its slice's column-wise layout,
 which backward all-gathers (a second collective).
@@ -30,7 +31,6 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from ..distributed.collectives import all_gather_into
-from ..gemm import operands_product
 from ..quantizers.base import (
     PER_TENSOR_BLOCKS,
     is_pure,
@@ -42,9 +42,8 @@ from ..quantizers.reduction import GroupMax
 from ..reference.cast import as_matrix
 from ..schemes import scheme_for
 from ..tensor import WHOLE, QuantizedTensor
-from .function import _restore_tensors, _strip_tensors, bias_grad, forward_gemm
 
-__all__ = ["GatheredLinear", "InputGather", "input_gather"]
+__all__ = ["InputGather", "input_gather"]
 
 
 def _token_block(recipe: Any) -> tuple[int, bool] | None:
@@ -82,20 +81,23 @@ def input_gather(x: DTensor, mesh: Any, recipe: Any) -> InputGather | None:
     run = x.shape[dim] // world * math.prod(x.shape[dim + 1 : -1])
     if run % block:
         return None
-    return InputGather(mesh, world, dim, x.shape, scaled)
+    return InputGather(x, mesh, world, dim, scaled)
 
 
 class InputGather:
-    """The quantized all-gather of one call's input: ``Shard(dim)`` of ``shape`` over
+    """The quantized all-gather of one call's input ``source``: ``Shard(dim)`` over
     ``mesh`` (even slices). ``scaled``: the row-wise layout has scales per token (every
     recipe but the per-tensor ones), which travel with the codes, and backward gathers
-    the column-wise layout each rank made of its slice."""
+    the column-wise layout each rank made of its slice. ``LinearFunction`` calls it
+    (``nn.function.GatheredInput``)."""
 
-    __slots__ = ("mesh", "group", "world", "dim", "shape", "lead", "scaled")
+    __slots__ = ("source", "mesh", "group", "world", "dim", "shape", "lead", "scaled")
 
     def __init__(
-        self, mesh: Any, world: int, dim: int, shape: torch.Size, scaled: bool = False
+        self, source: DTensor, mesh: Any, world: int, dim: int, scaled: bool = False
     ) -> None:
+        self.source = source
+        shape = source.shape
         self.mesh = mesh
         self.group = mesh.get_group()
         self.world = world
@@ -216,25 +218,33 @@ class InputGather:
             out.append(joined.contiguous().view(part.dtype))
         return out
 
-    def linear(
-        self,
-        source: DTensor,
-        x: torch.Tensor,
-        w: torch.Tensor,
-        b: torch.Tensor | None,
-        call: Any,
-        cache: Any,
-        first: bool | None,
-        autograd: bool,
-    ) -> torch.Tensor:
-        """The layer's local output ``[*shape[:-1], N_local]`` over the gathered tokens:
-        ``source`` is the sequence-sharded input, ``x`` this rank's slice of it (as the
-        autograd graph has it), ``call`` the recipe's per-call object."""
-        need_wgrad = autograd and w.requires_grad
-        x_q, x_cols = self.gathered(source, x, call.input_q, need_wgrad)
-        if not autograd:
-            return forward_gemm(x, w, b, call, cache, first, False, False, x_q=x_q)[0]
-        return GatheredLinear.apply(x, w, b, call, cache, first, x_q, x_cols, self)
+    # -- the GatheredInput hook of nn.function.LinearFunction ------------------------------
+    def quantize(
+        self, x: torch.Tensor, quantizer: Any, columnwise: bool
+    ) -> tuple[QuantizedTensor, QuantizedTensor | None]:
+        """The gathered row-wise operand (``gathered``) and, with ``columnwise``, what the
+        weight gradient needs: this rank's column-wise operand, gathered in backward
+        (``columns``), or the transposed gathered codes (per-tensor recipes)."""
+        x_q, x_cols = self.gathered(self.source, x, quantizer, columnwise)
+        if not columnwise:
+            return x_q, None
+        if x_cols is not None:  # 1/world of the operand; a copy of the shell (the
+            return x_q, x_cols._clone_meta()  # Function strips it, the kept gather not)
+        return x_q, _with_columnwise(x_q).columnwise_operand()
+
+    def columns(self, x_t: QuantizedTensor) -> QuantizedTensor:
+        """The whole input's column-wise operand: the second quantized gather, where each
+        rank kept its slice's (scaled recipes)."""
+        return self.gather_columns(x_t) if self.scaled else x_t
+
+    def scatter(self, dgrad: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the summed input gradient (each rank's ``dgrad`` is a
+        partial sum over its output features), in ``dgrad``'s dtype: DTensor's ``Partial
+        -> Shard`` redistribution, the one the high-precision gather's backward runs."""
+        partial = DTensor.from_local(
+            dgrad.reshape(self.shape), self.mesh, [Partial()], run_check=False
+        )
+        return partial.redistribute(self.mesh, [Shard(self.dim)]).to_local()
 
 
 # The attribute of an input DTensor that keeps its gather for the next layer given it.
@@ -248,74 +258,3 @@ def _with_columnwise(x_q: QuantizedTensor) -> QuantizedTensor:
     out.data_t = transposed_codes(as_matrix(x_q.data))
     out.scale_inv_t, out.block_t = x_q.scale_inv, WHOLE
     return out
-
-
-def _reduce_scatter(dgrad: torch.Tensor, mesh: Any, dim: int) -> torch.Tensor:
-    """This rank's slice of the summed input gradient (each rank's ``dgrad`` is a partial
-    sum over its output features), in ``dgrad``'s dtype: DTensor's ``Partial -> Shard``
-    redistribution, the one the high-precision gather's backward runs."""
-    partial = DTensor.from_local(dgrad, mesh, [Partial()], run_check=False)
-    return partial.redistribute(mesh, [Shard(dim)]).to_local()
-
-
-class GatheredLinear(torch.autograd.Function):
-    """``LinearFunction`` for a sequence slice ``x`` whose whole, quantized and
-    all-gathered, is ``x_q``: backward reduce-scatters the input gradient to the slices,
-    and the weight-gradient GEMM takes the whole input's column-wise layout: the
-    transposed gathered codes (per-tensor recipes), or ``x_cols``, this rank's slice's
-    column-wise layout, all-gathered by ``gather`` (the other recipes). Every GEMM takes
-    quantized operands."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        call: Any,
-        weight_cache: Any,
-        first: bool | None,
-        x_q: QuantizedTensor,
-        x_cols: QuantizedTensor | None,
-        gather: InputGather,
-    ) -> torch.Tensor:
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        out, x_q, w_q = forward_gemm(
-            x, weight, bias, call, weight_cache, first, need_dgrad, need_wgrad, x_q=x_q
-        )
-        if not need_wgrad:
-            x_t = None
-        elif x_cols is not None:  # 1/world of the operand: gathered in backward
-            x_t = x_cols._clone_meta()  # (the shell is stripped; the kept gather is not)
-        else:
-            x_t = _with_columnwise(x_q).columnwise_operand()
-        # As LinearFunction: only the column-wise layouts, as tensors saved-tensor hooks see.
-        saved = [x_t, w_q.columnwise_operand() if need_dgrad else None]
-        tensors, ctx.shells = _strip_tensors(saved)
-        ctx.save_for_backward(*tensors)
-        ctx.call, ctx.gather, ctx.shape = call, gather, x_q.shape
-        ctx.gather_columns = x_cols is not None
-        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        x_t, w_t = _restore_tensors(ctx.saved_tensors, ctx.shells)
-        call, gather = ctx.call, ctx.gather
-        need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
-        g2d = grad_out.reshape(-1, grad_out.shape[-1])
-        dgrad = wgrad = bgrad = None
-        if need_dgrad or need_wgrad:
-            g_q = call.grad_q.quantize(g2d, rowwise=need_dgrad, columnwise=need_wgrad)
-        if need_dgrad:  # [T, N_local] @ [N_local, K]: a partial sum over output features
-            dgrad = operands_product(g_q, w_t, x_dtype).reshape(ctx.shape)
-            dgrad = _reduce_scatter(dgrad, gather.mesh, gather.dim)
-        if need_wgrad:  # [N_local, T] @ [T, K], over every gathered token
-            if ctx.gather_columns:  # the second quantized gather
-                x_t = gather.gather_columns(x_t)
-            wgrad = operands_product(g_q.columnwise_operand(), x_t, w_dtype)
-        if need_bgrad:
-            bgrad = bias_grad(g2d, b_dtype)
-        call.backward_done()
-        return dgrad, wgrad, bgrad, None, None, None, None, None, None

@@ -36,6 +36,7 @@ data-parallel group's shards only.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -47,8 +48,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from ..quantizers.base import ROLES, scale_blocks, shard_multiple
 from ..runtime.state import AutocastFrame
 from ..schemes import Plan, scheme_for
-from .function import LinearFunction, forward_gemm
-from .sequence_parallel import InputGather, input_gather
+from .function import linear_gemms, plan_for
+from .sequence_parallel import input_gather
 
 COLWISE = "colwise"  # weight Shard(0): output features split
 ROWWISE = "rowwise"  # weight Shard(1): input features (the contraction) split
@@ -152,9 +153,12 @@ def linear_forward(
     b_local = None
     if bias is not None and style == COLWISE:
         b_local = bias.to_local() if isinstance(bias, DTensor) else bias
-    out = _local_linear(
-        module, x_local, w_local, b_local, frame, style, mesh, first, replay, record, gather, x
-    )
+    if x_local.numel() == 0:
+        out = F.linear(x_local, w_local, b_local)
+    else:
+        plan = plan_for(module, frame, w_local, Sharding(style, mesh))
+        cache = module._weight_cache
+        out = linear_gemms(x_local, w_local, b_local, plan, cache, first, replay, record, gather)
     if style == COLWISE:
         return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
     # Partial products over the contraction shards. Without a bias the sum is left to
@@ -179,48 +183,10 @@ def calibrate(module: Any, x: torch.Tensor, weight: DTensor, frame: AutocastFram
     x_local = x.to_local() if isinstance(x, DTensor) else x
     w_local = weight.to_local()
     try:
-        plan = _plan(module, frame, style, weight.device_mesh, w_local)
+        plan = plan_for(module, frame, w_local, Sharding(style, weight.device_mesh))
     except ValueError as exc:  # the forward names the layer likewise
         raise ValueError(f"{module._where()}: {exc}") from exc
     plan.calibrate(x_local, w_local)
-
-
-def _local_linear(
-    module: Any,
-    x: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None,
-    frame: AutocastFrame,
-    style: str,
-    mesh: Any,
-    first: bool | None,
-    replay: Any,
-    record: Any,
-    gather: InputGather | None = None,
-    source: DTensor | None = None,
-) -> torch.Tensor:
-    """The quantized linear of local tensors under the tensor-parallel plan; with
-    ``gather``, ``x`` is this rank's slice of the sequence-sharded ``source``, which it
-    all-gathers in FP8."""
-    if x.numel() == 0:
-        return F.linear(x, w, b)
-    plan = _plan(module, frame, style, mesh, w)
-    autograd = torch.is_grad_enabled() and (
-        x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
-    )
-    call = plan.call(autograd, replay, record)
-    cache = module._weight_cache
-    if gather is not None:
-        return gather.linear(source, x, w, b, call, cache, first, autograd)
-    if not autograd:
-        return forward_gemm(x, w, b, call, cache, first, False, False)[0]
-    rows = x.numel() // x.shape[-1]
-    align = plan.row_alignment
-    if rows % align and w.requires_grad:  # as fc.Linear pads: zero rows, sliced off
-        x2d = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % align))
-        out = LinearFunction.apply(x2d, w, b, call, cache, first)[:rows]
-        return out.view(*x.shape[:-1], out.shape[-1])
-    return LinearFunction.apply(x, w, b, call, cache, first)
 
 
 # -- plans ---------------------------------------------------------------------------------
@@ -235,21 +201,17 @@ _SPLITS = {
 }
 
 
-def _plan(module: Any, frame: AutocastFrame, style: str, mesh: Any, w: torch.Tensor) -> Plan:
-    """The module's tensor-parallel plan for ``frame``, kept until the frame's recipe or
-    group, or the style or mesh, changes (identity tests, as ``fc.Linear``'s own plan)."""
-    cached = module.__dict__.get("_fc_tp_plan")
-    if (
-        cached is not None
-        and cached[0] is frame.recipe
-        and cached[1] is frame.group
-        and cached[2] == style
-        and cached[3] is mesh
-    ):
-        return cached[4]
-    plan = _build_plan(module, frame, style, mesh, w)
-    module.__dict__["_fc_tp_plan"] = (frame.recipe, frame.group, style, mesh, plan)
-    return plan
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """A tensor-parallel layer's place: its style and mesh. ``plan_for`` keeps the layer's
+    plan while its frame and sharding stay (the style is one of two constants and the
+    mesh the same object: equality is two identity tests)."""
+
+    style: str
+    mesh: Any
+
+    def plan(self, module: Any, frame: AutocastFrame, weight: torch.Tensor) -> Plan:
+        return _build_plan(module, frame, self.style, self.mesh, weight)
 
 
 def _build_plan(module: Any, frame: AutocastFrame, style: str, mesh: Any, w: torch.Tensor) -> Plan:

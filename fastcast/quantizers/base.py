@@ -11,6 +11,7 @@ from ..formats import FP8_DTYPES
 from ..tensor import QuantizedTensor
 
 ROLES = ("input", "weight", "grad_output")
+PER_ROW = (1, 0)  # the block of one scale per row (``tensor.QuantizedTensor``)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -52,6 +53,11 @@ class Quantizer(Protocol):
       gathered for one serves the other). Default: equality.
     - ``from_history``: its scale comes from earlier steps' amaxes, not the tensor's
       own (``fc.inspect`` reports headroom against the recipe's margin). Default False.
+
+    Optionally, for grouped (mixture-of-experts) GEMMs, ``quantize_groups(m, groups, *,
+    columnwise)`` quantizes each group of rows as a tensor of its own, on the device, and
+    ``token_block`` says what its column-wise layout needs each group to start at a
+    multiple of (``quantizers.groups``); a quantizer without them is called per group.
     """
 
     fmt: str

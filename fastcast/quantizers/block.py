@@ -22,6 +22,7 @@ from ..runtime.observers import begin as _begin
 from ..runtime.observers import end as _end
 from ..tensor import Float8Tensor
 from .base import Blocks, check_fp8_format, check_input
+from .groups import TokenGroups
 
 TILE_ROWS = {1: 1, 2: TILE}  # block_dim -> tile extent along R
 
@@ -85,6 +86,8 @@ class BlockScalingQuantizer:
     block_dim: int = 1
     power_2_scales: bool = True
     amax_epsilon: float = 0.0
+
+    token_block: ClassVar[int] = TILE  # (quantize_groups: column-wise tiles run along R)
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -158,3 +161,13 @@ class BlockScalingQuantizer:
         finally:
             if opened is not None:
                 _end(opened)
+
+    def quantize_groups(
+        self, m: torch.Tensor, groups: TokenGroups, *, columnwise: bool = False
+    ) -> Float8Tensor | None:
+        """``m`` ``[R, D]`` per group of rows (``quantizers.groups``): 1x128 tiles along D
+        are each row's own, and along R, from group starts at multiples of 128, each
+        group's; None (one ``quantize`` per group) where tiles would span groups."""
+        if self.block_dim != 1 or (columnwise and not groups.aligned(TILE)):
+            return None
+        return self.quantize(m, rowwise=not columnwise, columnwise=columnwise)

@@ -21,6 +21,7 @@ from ..runtime.observers import begin as _begin
 from ..runtime.observers import end as _end
 from ..tensor import MXFP8Tensor
 from .base import Blocks, check_fp8_format, check_input
+from .groups import TokenGroups
 
 SCALE_RULES = ("rceil", "ocp")
 
@@ -79,6 +80,7 @@ class MXFP8Quantizer:
     block: ClassVar[tuple[int, int]] = (1, MX_BLOCK)
     scale_blocks: ClassVar[Blocks] = (block, block)
     pure: ClassVar[bool] = True
+    token_block: ClassVar[int] = MX_BLOCK  # (quantize_groups: column-wise blocks along R)
 
     def over_shards(self, reduce: Any, dim: int) -> MXFP8Quantizer:
         return self  # every scale is a block's: local where shards hold whole blocks
@@ -130,3 +132,13 @@ class MXFP8Quantizer:
         finally:
             if opened is not None:
                 _end(opened)
+
+    def quantize_groups(
+        self, m: torch.Tensor, groups: TokenGroups, *, columnwise: bool = False
+    ) -> MXFP8Tensor | None:
+        """``m`` ``[R, D]`` per group of rows (``quantizers.groups``): blocks along D are
+        each row's own, and along R, from group starts at multiples of 32, each group's;
+        None (one ``quantize`` per group) where blocks would span groups."""
+        if columnwise and not groups.aligned(MX_BLOCK):
+            return None
+        return self.quantize(m, rowwise=not columnwise, columnwise=columnwise)

@@ -50,10 +50,14 @@ import torch
 
 from ..kernels import fused_op
 from ..reference import hadamard
-from ..reference.cast import as_matrix
+from ..reference.cast import as_matrix, scale_from_amax
 from ..reference.nvfp4 import (
     BLOCK,
+    E2M1_MAX,
+    E4M3_MAX,
+    encode_blocks,
     global_amax,
+    pack_e2m1,
     quantize_reference,
 )
 from ..runtime.observers import attached as _observers
@@ -61,6 +65,7 @@ from ..runtime.observers import begin as _begin
 from ..runtime.observers import end as _end
 from ..tensor import NVFP4Tensor
 from .base import Blocks, check_input
+from .groups import TokenGroups
 from .sharded import ShardedNVFP4Quantizer
 
 
@@ -86,6 +91,7 @@ class NVFP4Quantizer:
     rht_round_to_input_dtype: bool = False
 
     fmt: ClassVar[str] = "e2m1"
+    token_block: ClassVar[int] = BLOCK  # (quantize_groups: column-wise blocks along R)
 
     def __post_init__(self) -> None:
         for name in ("block_2d", "stochastic_rounding", "rht_round_to_input_dtype"):
@@ -93,7 +99,7 @@ class NVFP4Quantizer:
             if not isinstance(value, bool):
                 raise ValueError(f"NVFP4Quantizer: {name} must be a bool, got {value!r}")
         if self.rht is not None:
-            hadamard.rht_matrix(self.rht)  # checks the signs
+            hadamard.check_signs(self.rht)
             if self.block_2d:
                 raise ValueError(
                     "NVFP4Quantizer: rht transforms the 1x16 column-wise layout; 16x16 tiles "
@@ -222,6 +228,51 @@ class NVFP4Quantizer:
             scale_inv_t=scale_inv_t if columnwise else None,
             block_t=block,
             global_scale_inv=global_scale_inv,
+        )
+
+    def quantize_groups(
+        self, m: torch.Tensor, groups: TokenGroups, *, columnwise: bool = False
+    ) -> NVFP4Tensor | None:
+        """``m`` ``[R, D]`` per group of rows (``quantizers.groups``): each group's tensor
+        scale from its own amax (held per row, or per block along R), blocks along D each
+        row's own, along R (from group starts at multiples of 16, after the Hadamard
+        transform with ``rht``) each group's; None (one ``quantize`` per group) for 16x16
+        tiles, or blocks that would span groups. The transformed layout is returned as it
+        is (``rht_t`` names the transform; the GEMM of two transformed operands is the
+        product of the matrices)."""
+        if self.block_2d or (columnwise and not groups.aligned(BLOCK)):
+            return None
+        rows, cols = m.shape
+        v = m.float()
+        if columnwise and self.rht is not None:
+            v = hadamard.transform_columns(m, self.rht)
+            if self.rht_round_to_input_dtype and m.dtype != v.dtype:
+                v = v.to(m.dtype).float()
+        finite = v.abs().nan_to_num_(nan=0.0, posinf=0.0)
+        s_enc = scale_from_amax(groups.amax(finite.amax(dim=1)), E2M1_MAX * E4M3_MAX)
+        if columnwise:  # [D, R]: blocks of 16 rows, each inside one group
+            blocks = v.t().contiguous().reshape(cols, 1, rows // BLOCK, BLOCK)
+            s_enc = s_enc[groups.ids[::BLOCK]].unsqueeze(0)
+        else:
+            blocks = v.reshape(rows, 1, cols // BLOCK, BLOCK)
+            s_enc = s_enc[groups.ids].unsqueeze(1)
+        mag = blocks.abs()
+        draw = torch.rand(blocks.shape, device=m.device) if self.stochastic_rounding else None
+        codes, s_dec = encode_blocks(blocks, mag, mag.amax(dim=(1, 3)), s_enc, draw)
+        data = pack_e2m1(codes.reshape(blocks.shape[0], -1))
+        layout = (None, None, data, s_dec) if columnwise else (data, s_dec, None, None)
+        return NVFP4Tensor(
+            fmt=self.fmt,
+            shape=m.shape,
+            dtype=m.dtype,
+            data=layout[0],
+            scale_inv=layout[1],
+            block=(1, BLOCK),
+            data_t=layout[2],
+            scale_inv_t=layout[3],
+            block_t=(1, BLOCK),
+            global_scale_inv=s_enc.reciprocal(),
+            rht_t=self.rht if columnwise else None,
         )
 
 

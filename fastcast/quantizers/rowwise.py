@@ -25,11 +25,12 @@ from ..reference.rows import quantize_rows_reference, row_amax
 from ..runtime.observers import attached as _observers
 from ..runtime.observers import begin as _begin
 from ..runtime.observers import end as _end
-from ..tensor import Float8Tensor
-from .base import Blocks, check_fp8_format, check_input, transposed_codes
+from ..tensor import WHOLE, Float8Tensor
+from .base import PER_ROW, Blocks, check_fp8_format, check_input, transposed_codes
+from .groups import TokenGroups
 from .sharded import ShardedRowwiseQuantizer
 
-PER_ROW = (1, 0)  # the block of one scale per row (``tensor.QuantizedTensor``)
+PER_ELEMENT = (1, 1)  # a scale per element: per (group, feature) in quantize_groups
 
 
 def quantize_rows(
@@ -151,3 +152,25 @@ class RowwiseQuantizer:
         if reduce is None:
             return quantize_rows(m, self.fmt, self.power_2_scales, columns=columns)
         return quantize_rows_reference(m, self.fmt, self.power_2_scales, columns, reduce)
+
+    def quantize_groups(
+        self, m: torch.Tensor, groups: TokenGroups, *, columnwise: bool = False
+    ) -> Float8Tensor:
+        """``m`` ``[R, D]`` per group of rows (``quantizers.groups``): the row-wise layout
+        is ``quantize``'s (its rows are scaled alone); the column-wise one has a scale per
+        (group, feature), or per group with ``columnwise_per_tensor``, held per element
+        (per row) of a layout shaped like ``m``."""
+        if not columnwise:
+            return self.quantize(m)
+        if self.columnwise_per_tensor:
+            amax = groups.amax(row_amax(m, 1).squeeze(1)).unsqueeze(1)
+        else:
+            amax = torch.zeros(groups.count, m.shape[1], dtype=torch.float32, device=m.device)
+            index = groups.ids.unsqueeze(1).expand(m.shape)
+            amax.scatter_reduce_(0, index, m.float().abs(), "amax", include_self=True)
+        scale = self._scale(amax)[groups.ids]
+        block = PER_ROW if self.columnwise_per_tensor else PER_ELEMENT
+        data = scale_and_cast(m, scale, self.fmt)
+        return Float8Tensor.assemble(
+            self.fmt, m.shape, m.dtype, data, scale.reciprocal(), block, None, None, WHOLE
+        )

@@ -23,17 +23,20 @@ from ..formats import ELEMENT_MAX, FP8_DTYPES
 from ..kernels import fused_op, tensorwise_op
 from ..reference.amax import record_amax_reference
 from ..reference.cast import as_matrix, scale_and_cast, scale_from_amax, tensor_amax
+from ..reference.rows import row_amax
 from ..runtime.observers import attached as _observers
 from ..runtime.observers import begin as _begin
 from ..runtime.observers import end as _end
 from ..tensor import WHOLE, Float8Tensor
 from .base import (
+    PER_ROW,
     PER_TENSOR_BLOCKS,
     Blocks,
     check_fp8_format,
     check_input,
     transposed_codes,
 )
+from .groups import TokenGroups
 from .reduction import GroupMax, all_reduce_max
 
 
@@ -105,7 +108,9 @@ class CurrentScalingQuantizer:
     """Scale from this tensor's amax. A value object: equal fields, equal quantizers.
 
     With ``amax_reduction_group`` the amax is the max over the group's ranks (tensor- or
-    sequence-parallel layers whose shards must share one scale).
+    sequence-parallel layers whose shards must share one scale). ``margin``: the scale is
+    ``fmt_max / amax / 2**margin`` (delayed scaling's margin, for the grouped GEMMs that
+    run it as current scaling per token group).
     """
 
     fmt: str = "e4m3"
@@ -114,6 +119,7 @@ class CurrentScalingQuantizer:
     amax_reduction_group: Any = None
     # Any other amax reducer (``over_shards``): the FSDP2 gather's, which keeps reductions.
     reduce_amax: Callable[[torch.Tensor], Any] | None = None
+    margin: int = 0
 
     scale_blocks: ClassVar[Blocks] = PER_TENSOR_BLOCKS
     pure: ClassVar[bool] = True
@@ -135,7 +141,11 @@ class CurrentScalingQuantizer:
 
     def scale_for(self, amax: torch.Tensor) -> torch.Tensor:
         return scale_from_amax(
-            amax, ELEMENT_MAX[self.fmt], power_2=self.power_2_scales, epsilon=self.amax_epsilon
+            amax,
+            ELEMENT_MAX[self.fmt],
+            margin=self.margin,
+            power_2=self.power_2_scales,
+            epsilon=self.amax_epsilon,
         )
 
     def quantize(
@@ -144,7 +154,7 @@ class CurrentScalingQuantizer:
         opened = _begin("fastcast.quantize.tensorwise") if _observers else None  # observer point
         try:
             check_input(x)
-            if self.amax_reduction_group is None and self.reduce_amax is None:
+            if self.amax_reduction_group is None and self.reduce_amax is None and not self.margin:
                 op = tensorwise_op(x)
                 if op is not None:  # amax, scale and cast in one operator
                     fmt, power_2, epsilon = self.fmt, self.power_2_scales, self.amax_epsilon
@@ -164,6 +174,18 @@ class CurrentScalingQuantizer:
         finally:
             if opened is not None:
                 _end(opened)
+
+    def quantize_groups(
+        self, m: torch.Tensor, groups: TokenGroups, *, columnwise: bool = False
+    ) -> Float8Tensor:
+        """``m`` ``[R, D]`` with one scale per group of rows (``quantizers.groups``), held
+        per row; casting with one scale is elementwise, so the row-wise layout is the
+        column-wise one too, and it is what is returned either way."""
+        rows = self.scale_for(groups.amax(row_amax(m, 1).squeeze(1)))[groups.ids].unsqueeze(1)
+        data = scale_and_cast(m, rows, self.fmt)
+        return Float8Tensor.assemble(
+            self.fmt, m.shape, m.dtype, data, rows.reciprocal(), PER_ROW, None, None, WHOLE
+        )
 
 
 class DelayedScalingQuantizer:

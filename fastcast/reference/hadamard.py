@@ -59,12 +59,17 @@ def _build(signs: tuple[int, ...], device: torch.device) -> torch.Tensor:
 _matrix = functools.cache(_build)
 
 
-def rht_matrix(signs: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
-    """``diag(signs) @ H / 4`` as FP32 (16x16) on ``device``: read only."""
+def check_signs(signs: tuple[int, ...]) -> None:
+    """A ValueError unless ``signs`` is a sign vector: ``SIZE`` values of +-1."""
     if len(signs) != SIZE or any(s not in (1, -1) for s in signs):
         raise ValueError(
             f"fastcast.reference.hadamard: signs must be {SIZE} values of +-1, got {signs!r}"
         )
+
+
+def rht_matrix(signs: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``diag(signs) @ H / 4`` as FP32 (16x16) on ``device``: read only."""
+    check_signs(signs)
     if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
         # Traced: a constant of the graph. A fake tensor must not outlive its trace (or
         # its FakeTensorMode) in the process-wide cache.

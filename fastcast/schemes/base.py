@@ -40,6 +40,7 @@ class Plan:
         "grad_q",
         "row_alignment",
         "wgrad_high_precision",
+        "sharding",
     )
 
     # Per-call attributes a stateful call may set; a stateless plan never replays.
@@ -61,6 +62,9 @@ class Plan:
         # Scheme.wgrad_high_precision: the wgrad GEMM takes the unquantized gradient and
         # input (the input quantizer then makes no column-wise layout).
         self.wgrad_high_precision = wgrad_high_precision
+        # The tensor-parallel sharding the quantizers were made for (None: the whole
+        # tensors); set by ``nn.function.plan_for``, which keeps a plan while it stays.
+        self.sharding: Any = None
 
     def matches(self, frame: AutocastFrame) -> bool:
         """Whether this plan is still the one for ``frame`` (in this thread)."""
@@ -150,6 +154,7 @@ class Scheme:
       each dim (what parallel layers and the FSDP2 gather check shards against);
     - ``sharded_plan``: the plan for a layer whose tensors are split across a group
       (tensor parallelism: scales that span the split are reduced over it);
+    - ``grouped_quantizers``: the quantizers of grouped (mixture-of-experts) GEMMs;
     - ``stateful``, ``prepare``, ``plan``: per-module state (saved through its
       ``StateFormat``); ``weight_format``; ``state_weight_quantizer``: a stateful
       scheme's weight quantizer from the module's state; ``traced_quantizers``: its
@@ -245,6 +250,12 @@ class Scheme:
         """A stateful scheme's quantizers in compiled code, reading their state through
         ``read``; None: it does not run compiled."""
         return None
+
+    def grouped_quantizers(self, recipe: Recipe) -> tuple[Quantizer, ...]:
+        """``(input, weight, grad_output)`` quantizers of grouped (mixture-of-experts)
+        GEMMs, which quantize each token group and each expert as a tensor of its own
+        (``quantizers.groups.quantize_groups``); a TypeError says why ``recipe`` has none."""
+        return self.quantizers(recipe)
 
     def prepare(
         self, recipe: Recipe, module_state: dict[Any, ModuleState], device: torch.device

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..quantizers.base import Quantizer
 from ..quantizers.block import BlockScalingQuantizer
 from ..recipe import Float8BlockScaling
 from ..tensor import BLOCKWISE
@@ -30,3 +31,12 @@ class BlockScalingScheme(Scheme):
             block_dim=dims[role],
             power_2_scales=not recipe.use_f32_scales,
         )
+
+    def grouped_quantizers(self, recipe: Float8BlockScaling) -> tuple[Quantizer, ...]:
+        if recipe.x_block_scaling_dim != 1 or recipe.grad_block_scaling_dim != 1:
+            raise TypeError(
+                "grouped GEMM: Float8BlockScaling needs 1x128 blocks for the input and "
+                "gradient (x_block_scaling_dim=1, grad_block_scaling_dim=1); 128x128 tiles "
+                "would span several experts' tokens"
+            )
+        return self.quantizers(recipe)

@@ -97,7 +97,9 @@ class NVFP4Tensor(QuantizedTensor):
     ) -> torch.Tensor:
         op = fused_op("dequantize_nvfp4", data)
         global_scale_inv = self.global_scale_inv
-        if op is not None and global_scale_inv.dtype == torch.float32:  # one fused pass
+        # One fused pass for one FP32 tensor scale (grouped operands hold one per group).
+        fused = op is not None and global_scale_inv.dtype == torch.float32
+        if fused and global_scale_inv.numel() == 1:
             rows, cols = self._rows_cols(data)
             return op(data.reshape(rows, cols // 2), scales, global_scale_inv, block[0])
         return super()._dequantize_layout(data, scales, block)

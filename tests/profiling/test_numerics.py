@@ -20,7 +20,7 @@ from torch import nn
 
 import fastcast as fc
 from fastcast.formats import ELEMENT_MAX
-from fastcast.nn import linear as linear_module
+from fastcast.nn import function as function_module
 from fastcast.numerics.inspector import _Tap
 from fastcast.numerics.stats import _FIELDS, layout_stats
 from fastcast.runtime import observers
@@ -166,7 +166,7 @@ def test_off_means_nothing_installed_and_nothing_retained():
     model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
     fc.convert(model)
     recipe = fc.Float8CurrentScaling()
-    plan_for, enter = linear_module.plan_for, fc.autocast.__dict__["__enter__"]
+    plan_for, enter = function_module.plan_for, fc.autocast.__dict__["__enter__"]
     native_enter = type(fc.autocast(recipe=recipe)).__dict__["__enter__"]
     hooks = _hook_state(model)
     insp = fc.inspect(model, every=2)
@@ -182,7 +182,7 @@ def test_off_means_nothing_installed_and_nothing_retained():
         assert _tapped(model) == (step % 2 == 0)
         out.sum().backward()
     # Nothing of fastcast's is replaced, on or off: the inspection is an attached observer.
-    assert linear_module.plan_for is plan_for
+    assert function_module.plan_for is plan_for
     assert fc.autocast.__dict__["__enter__"] is enter
     assert type(fc.autocast(recipe=recipe)).__dict__["__enter__"] is native_enter
     insp.stop()

@@ -32,8 +32,12 @@ from typing import Any
 
 import torch
 
-from ...quantizers.base import PER_TENSOR_BLOCKS, Blocks, Quantizer
-from ...quantizers.tensorwise import DelayedScalingQuantizer, FixedScaleQuantizer
+from ...quantizers.base import PER_TENSOR_BLOCKS, ROLES, Blocks, Quantizer
+from ...quantizers.tensorwise import (
+    CurrentScalingQuantizer,
+    DelayedScalingQuantizer,
+    FixedScaleQuantizer,
+)
 from ...recipe import DelayedScaling
 from ...runtime.state import AutocastFrame, thread_state
 from ...tensor import TENSORWISE
@@ -98,6 +102,15 @@ class DelayedScalingScheme(Scheme):
         raise ValueError(
             "DelayedScaling is stateful (its scales come from an amax history): quantize "
             "through fc.Linear under fc.autocast, or use Float8CurrentScaling"
+        )
+
+    def grouped_quantizers(self, recipe: DelayedScaling) -> tuple[Quantizer, ...]:
+        """Per-tensor current scaling per token group and per expert, in the recipe's
+        formats and margin: the experts keep no amax history (one per token group would
+        describe groups whose sizes change every step)."""
+        fmt = recipe.fp8_format
+        return tuple(
+            CurrentScalingQuantizer(fmt=fmt.for_role(role), margin=recipe.margin) for role in ROLES
         )
 
     def prepare(
