@@ -19,7 +19,7 @@ def main() -> int:
         return 1
     where = build.library_path()
     if installed.enabled() and where == str(installed.DIRECTORY / build.INSTALLED_LIBRARY):
-        record = installed.record() or {}
+        record = installed.record(build.INSTALLED_LIBRARY, build.INSTALLED_KEY) or {}
         print(
             f"fastcast: fused kernels installed in {installed.DIRECTORY} (built at install "
             f"in {record.get('seconds', '?')} s), loaded in {seconds:.2f} s"

@@ -226,11 +226,11 @@ def load() -> float:
     with _load_lock:
         if _loaded_seconds is not None:
             return _loaded_seconds
-        from . import installed  # noqa: PLC0415 - not in a build's child (no package)
+        from . import installed  # noqa: PLC0415 - a build's child runs this file alone
 
         start = time.perf_counter()
         try:
-            module = installed.load()
+            module = installed.load(INSTALLED_LIBRARY, INSTALLED_KEY, abi_key(), _say, _import)
             if module is None:  # none installed, or not for this torch: build or find it
                 key = build_key()
                 with _exclusive(build_dir(key)):

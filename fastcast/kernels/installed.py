@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-from . import build
+# Nothing of build.py is imported here (build.py calls this module, and runs without its
+# package in a build's child): what a build knows, file names included, comes as arguments.
 
 DIRECTORY = Path(__file__).with_name("installed")
 
@@ -25,11 +27,11 @@ def enabled() -> bool:
     return os.environ.get("FASTCAST_KERNELS_INSTALLED", "1").strip() != "0"
 
 
-def record() -> dict | None:
+def record(library: str, key_name: str) -> dict | None:
     """What the install wrote beside the library (its key, the build's seconds, where it
     was built), or None where no library was installed."""
-    key_file = DIRECTORY / build.INSTALLED_KEY
-    if not (key_file.exists() and (DIRECTORY / build.INSTALLED_LIBRARY).exists()):
+    key_file = DIRECTORY / key_name
+    if not (key_file.exists() and (DIRECTORY / library).exists()):
         return None
     try:
         data = json.loads(key_file.read_text())
@@ -53,24 +55,30 @@ def mismatch(recorded: dict, wanted: dict[str, str]) -> str | None:
     return None
 
 
-def load() -> ModuleType | None:
+def load(
+    library: str,
+    key_name: str,
+    wanted: dict[str, str],
+    say: Callable[[str], None],
+    import_library: Callable[[Path], ModuleType],
+) -> ModuleType | None:
     """The installed library, imported, or None (none installed, disabled, or built for
-    another key: said on stderr)."""
-    data = record() if enabled() else None
+    another key than this process's ``wanted``: ``say``-ed)."""
+    data = record(library, key_name) if enabled() else None
     if data is None:
         return None
     if "error" in data:
         reason = f"have a key file that does not read ({data['error']})"
     else:
-        reason = mismatch(data["key"], build.abi_key())
+        reason = mismatch(data["key"], wanted)
     if reason is not None:
-        build._say(
+        say(
             f"the fused kernels installed in {DIRECTORY} {reason}: not used; the kernel "
             "cache's build for this process is (built first where it is missing)"
         )
         return None
     try:
-        return build._import(DIRECTORY / build.INSTALLED_LIBRARY)
+        return import_library(DIRECTORY / library)
     except ImportError as exc:  # a damaged file: the first-use build still works
-        build._say(f"the fused kernels installed in {DIRECTORY} do not load ({exc})")
+        say(f"the fused kernels installed in {DIRECTORY} do not load ({exc})")
         return None
