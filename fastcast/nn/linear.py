@@ -442,6 +442,8 @@ def plan_for(module: Linear, frame: AutocastFrame, weight: torch.Tensor) -> Plan
     """
     plan = module._plan
     if plan is None or not plan.matches(frame):
+        if frame.group is not None:  # the amaxes are reduced: ranks must agree on the recipe
+            _agreement().agree(frame.recipe, weight.device, "the amax reduction", frame.group)
         scheme = scheme_for(frame.recipe)
         plan = module._plan = scheme.plan(frame, module._scheme_state, weight.device)
     observer = _state.layer_observer  # fc.inspect's observer point (None: nothing to call)
@@ -497,6 +499,13 @@ def _padded(
     x2d = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % align))
     out = LinearFunction.apply(x2d, weight, bias, call, cache, first)[:rows]
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _agreement() -> Any:
+    """``distributed.agreement``, imported on first use (it needs torch.distributed)."""
+    from ..distributed import agreement  # noqa: PLC0415
+
+    return agreement
 
 
 def _tensor_parallel() -> Any:

@@ -55,6 +55,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from ..distributed.agreement import agree
 from ..recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -69,6 +70,8 @@ from .function import LinearFunction, forward_gemm
 from .sequence_parallel import InputGather, input_gather
 from .sharded_quantizers import ShardedNVFP4Quantizer, ShardedRowwiseQuantizer
 
+# What the ranks' recipe check names (distributed.agreement).
+_TP = "tensor (and sequence) parallelism"
 COLWISE = "colwise"  # weight Shard(0): output features split
 ROWWISE = "rowwise"  # weight Shard(1): input features (the contraction) split
 
@@ -136,6 +139,7 @@ def linear_forward(
     in front); ``NotImplementedError``s, which it passes through, name it here."""
     style = style_of(weight, module)
     mesh = weight.device_mesh
+    agree(frame.recipe, weight.device, _TP, frame.group, mesh.get_group())
     replicate = [Replicate()]
     gather = None
     if style == COLWISE:
@@ -196,6 +200,7 @@ def calibrate(module: Any, x: torch.Tensor, weight: DTensor, frame: AutocastFram
     autocast's group (required for ``DelayedScaling``, as in training) makes the whole
     tensors' amaxes."""
     style = style_of(weight, module)
+    agree(frame.recipe, weight.device, _TP, frame.group, weight.device_mesh.get_group())
     x_local = x.to_local() if isinstance(x, DTensor) else x
     w_local = weight.to_local()
     try:

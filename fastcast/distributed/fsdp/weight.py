@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 from ...recipe import Float8CurrentScaling, Recipe
 from ...reference.cast import tensor_amax
 from ...runtime.state import optimizer_steps
+from ..agreement import agree
 from . import blocks, gathered, tensorwise
 
 aten = torch.ops.aten
@@ -43,6 +44,7 @@ _KEEP_WRAPPED = {
 }
 
 SUPPORTED = tensorwise.PER_TENSOR + blocks.BLOCK_RECIPES
+_GATHER = "FSDP2's quantized all-gather (fc.convert(..., recipe=..., quantized_all_gather=True))"
 
 
 class FSDPFloat8Weight(torch.Tensor):
@@ -129,6 +131,8 @@ class FSDPFloat8Weight(torch.Tensor):
         module: nn.Module,
         mp_policy: Any,
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        # Ranks converted for different recipes would gather mismatched layouts: refused.
+        agree(self.recipe, self._tensor.device, _GATHER, mesh.get_group())
         if isinstance(self.recipe, tensorwise.PER_TENSOR):
             inputs, meta = tensorwise.pre_all_gather(self, mesh, outer_size, module)
             return inputs, ("tensor", meta)
