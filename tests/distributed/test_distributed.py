@@ -662,10 +662,15 @@ def test_fsdp_quantized_all_gather_bytes(fsdp_qag, recipe):
 
 @pytest.mark.parametrize("recipe", QAG_RECIPES)
 def test_fsdp_quantized_all_gather_no_leak(fsdp_qag, recipe):
+    """The same live tensors and storage bytes after steps 4 and 8, and no more after any
+    step than after the first. (The first count may be higher by a few small tensors that
+    the process's earlier runs, another recipe's or another section's in the shared
+    spawn, leave for a later collection: 4 tensors once, here.)"""
     for result in fsdp_qag:
         live = [tuple(t.tolist()) for t in result[recipe]["q"]["live"]]
         assert len(live) == len(workers.QAG_LIVE_AFTER)
-        assert live == [live[0]] * len(live), live
+        assert live[1:] == [live[1]] * (len(live) - 1), live
+        assert all(n <= live[0][0] and b <= live[0][1] for n, b in live), live
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8", "nvfp4"])
