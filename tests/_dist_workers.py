@@ -1300,3 +1300,31 @@ def section_fsdp_qag(rank: int, world: int) -> dict[str, Any]:
 
 
 SECTIONS["fsdp_qag"] = section_fsdp_qag
+
+
+# -- several sections in one spawn -------------------------------------------------------------
+
+# The key of a section's result that holds its traceback instead (``section_shared``).
+SECTION_ERROR = "__error__"
+
+
+def section_shared(rank: int, world: int) -> dict[str, Any]:
+    """The sections named in ``FASTCAST_TEST_SECTIONS`` (comma-separated), one after the
+    other in one spawn: starting two interpreters that import torch costs seconds per
+    spawn. Each section starts from the random state of a fresh process (the sections
+    seed what they compare, but rank 0's single-process references also draw from the
+    generator), and a section that raises leaves its traceback as its result
+    (``{SECTION_ERROR: text}``, for its tests to show) while the next ones still run."""
+    seed = torch.initial_seed()  # torch's fixed start-up seed: nothing has reseeded yet
+    out: dict[str, Any] = {}
+    for name in os.environ["FASTCAST_TEST_SECTIONS"].split(","):
+        torch.manual_seed(seed)
+        try:
+            out[name] = SECTIONS[name](rank, world)
+        except Exception:  # noqa: BLE001 - reported by the section's tests
+            out[name] = {SECTION_ERROR: traceback.format_exc()}
+        dist.barrier()
+    return out
+
+
+SECTIONS["shared"] = section_shared

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from ..distributed.agreement import agree
 from ..gemm import operands_product
 from ..runtime.observers import attached as _observers
 from ..runtime.observers import observe_plan
@@ -53,6 +54,8 @@ def plan_for(module: Any, frame: AutocastFrame, weight: torch.Tensor, sharding: 
     """
     plan = module._plan
     if plan is None or not plan.matches(frame) or plan.sharding != sharding:
+        if frame.group is not None:  # the amaxes are reduced: ranks must agree on the recipe
+            agree(frame.recipe, weight.device, "the amax reduction", frame.group)
         if sharding is None:
             plan = scheme_for(frame.recipe).plan(frame, module._scheme_state, weight.device)
         else:

@@ -45,12 +45,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from ..distributed.agreement import agree
 from ..quantizers.base import ROLES, scale_blocks, shard_multiple
 from ..runtime.state import AutocastFrame
 from ..schemes import Plan, scheme_for
 from .function import linear_gemms, plan_for
 from .sequence_parallel import input_gather
 
+# What the ranks' recipe check names (distributed.agreement).
+_TP = "tensor (and sequence) parallelism"
 COLWISE = "colwise"  # weight Shard(0): output features split
 ROWWISE = "rowwise"  # weight Shard(1): input features (the contraction) split
 
@@ -117,6 +120,7 @@ def linear_forward(
     in front); ``NotImplementedError``s, which it passes through, name it here."""
     style = style_of(weight, module)
     mesh = weight.device_mesh
+    agree(frame.recipe, weight.device, _TP, frame.group, mesh.get_group())
     replicate = [Replicate()]
     gather = None
     if style == COLWISE:
@@ -180,6 +184,7 @@ def calibrate(module: Any, x: torch.Tensor, weight: DTensor, frame: AutocastFram
     autocast's group (required for ``DelayedScaling``, as in training) makes the whole
     tensors' amaxes."""
     style = style_of(weight, module)
+    agree(frame.recipe, weight.device, _TP, frame.group, weight.device_mesh.get_group())
     x_local = x.to_local() if isinstance(x, DTensor) else x
     w_local = weight.to_local()
     try:

@@ -384,3 +384,12 @@ class _OptimizerSteps:
 
 
 optimizer_steps = _OptimizerSteps()
+
+
+# The recipes each process group's ranks were found to agree on
+# (``fastcast.distributed.agreement``): group -> set of recipes. Kept here, with the rest of
+# fastcast's process-wide state, because a ``ProcessGroup`` (a pybind11 object without a
+# ``__dict__``) cannot carry the set itself. Weak keys: a group's entry goes with the group,
+# so a later group that reuses its address starts unchecked. (ProcessGroup compares and
+# hashes by identity.)
+agreed_recipes: weakref.WeakKeyDictionary[Any, set[Recipe]] = weakref.WeakKeyDictionary()

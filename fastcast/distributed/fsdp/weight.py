@@ -18,6 +18,7 @@ from ...quantizers.base import shard_amax
 from ...recipe import Recipe
 from ...runtime.state import optimizer_steps
 from ...schemes import scheme_for
+from ..agreement import agree
 from . import blocks, gathered, tensorwise
 
 aten = torch.ops.aten
@@ -55,6 +56,9 @@ def gather_kind(recipe: Recipe | None) -> str | None:
     if blocks.supports(recipe):
         return "blocks"
     return None
+
+
+_GATHER = "FSDP2's quantized all-gather (fc.convert(..., recipe=..., quantized_all_gather=True))"
 
 
 class FSDPFloat8Weight(torch.Tensor):
@@ -141,6 +145,8 @@ class FSDPFloat8Weight(torch.Tensor):
         module: nn.Module,
         mp_policy: Any,
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        # Ranks converted for different recipes would gather mismatched layouts: refused.
+        agree(self.recipe, self._tensor.device, _GATHER, mesh.get_group())
         if gather_kind(self.recipe) == "tensor":
             inputs, meta = tensorwise.pre_all_gather(self, mesh, outer_size, module)
             return inputs, ("tensor", meta)
