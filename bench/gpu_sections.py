@@ -791,28 +791,20 @@ def llama(setup: Setup) -> dict:
     flops = 6 * seq * linear_params + 12 * seq * seq * hidden / 2  # GEMMs + causal attention
     reps = 3 if setup.smoke else 10
 
-    def timed(model: nn.Module, recipe: fc.Recipe | None) -> float:
-        def step() -> None:
-            if recipe is None:
-                y = model(x)
-            else:
-                with fc.autocast(recipe=recipe):
-                    y = model(x)
-            y.float().square().mean().backward()
+    def step(model: nn.Module, recipe: fc.Recipe | None) -> None:
+        with fc.autocast(enabled=recipe is not None, recipe=recipe):
+            y = model(x)
+        y.float().square().mean().backward()
 
-        return device_ms(setup, step, reps, warmup=3)
+    def timed(model: nn.Module, recipe: fc.Recipe | None) -> float:
+        return device_ms(setup, lambda: step(model, recipe), reps, warmup=3)
 
     def kernel_profile(model: nn.Module, recipe: fc.Recipe | None) -> dict[str, float]:
         from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
         with profile(activities=activities) as prof:
-            if recipe is None:
-                y = model(x)
-            else:
-                with fc.autocast(recipe=recipe):
-                    y = model(x)
-            y.float().square().mean().backward()
+            step(model, recipe)
             setup.sync()
         return kernel_time_table(device_kernels(prof.events()), 1, 10)
 

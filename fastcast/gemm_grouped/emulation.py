@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..quantizers.base import scale_blocks
 from ..quantizers.groups import TokenGroups, dequantize_groups, quantize_groups
 from ..tensor import QuantizedTensor
 
@@ -21,8 +22,17 @@ def token_values(
 ) -> torch.Tensor:
     """The tokens ``m`` ``[R, D]`` quantized along D (forward and dgrad operands) or, with
     ``columnwise``, along the tokens within each group (the weight-gradient operands,
-    whose groups ``pad_groups`` moved to block starts); FP32 ``[R, D]``."""
-    return dequantize_groups(quantize_groups(quantizer, m, groups, columnwise))
+    whose groups ``pad_groups`` moved to block starts); FP32 ``[R, D]``. A D that is
+    not a multiple of the row-wise block (a 16-wide dgrad under MXFP8) is padded with
+    zeros: the partial block is scaled from its own elements, and the pad is cut off."""
+    cols = m.shape[1]
+    blocks = scale_blocks(quantizer)
+    width = blocks[0][1] if blocks is not None else 0  # (MXFP8 wants it in both layouts)
+    pad = -cols % width if width > 1 else 0
+    if pad:
+        m = torch.nn.functional.pad(m, (0, pad))
+    values = dequantize_groups(quantize_groups(quantizer, m, groups, columnwise))
+    return values[:, :cols] if pad else values
 
 
 def weight_values(quantizer: Any, w: torch.Tensor, along_n: bool = False) -> torch.Tensor:
