@@ -227,7 +227,15 @@ def _qwen3_experts():
     return transformers.Qwen3MoeForCausalLM(cfg).model.layers[0].mlp.experts
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+# FP32 experts behind `slow` (make test-slow): the FP32 grouped paths are the same
+# GEMMs fc.GroupedLinear's FP32 cases above assert, and these cost ~25 s of make test.
+_EXPERT_DTYPES = [
+    pytest.param(dtype, id=name, marks=[pytest.mark.slow] if name == "fp32" else [])
+    for name, dtype in DTYPES.items()
+]
+
+
+@pytest.mark.parametrize("dtype", _EXPERT_DTYPES)
 @pytest.mark.parametrize("capability", list(CAPABILITIES.values()), ids=list(CAPABILITIES))
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_converted_experts_paths(name, capability, dtype):
