@@ -91,6 +91,17 @@ def fresh_dynamo() -> Iterator[None]:
 RUN_SLOW = os.environ.get("FASTCAST_SLOW_TESTS") == "1"
 
 
+# With ATEN_CPU_CAPABILITY=default, torch's Inductor (2.13) still writes C++ that uses
+# at::vec::Vectorized in reductions while its precompiled header leaves at::vec out
+# ("error: 'at::vec' has not been declared", a CppCompileError, for fastcast's compiled
+# amax + cast graphs). Disabling its vectorisation outright (cpp.simdlen = 0) gives the
+# scalar code that capability means. Not needed on AVX2 or AVX-512 machines.
+if os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower() == "default":
+    import torch._inductor.config as _inductor_config
+
+    _inductor_config.cpp.simdlen = 0
+
+
 def pytest_collection_modifyitems(config, items):
     if RUN_SLOW:
         return
