@@ -35,16 +35,25 @@ def _run(name: str, code: str, folder: Path, nproc: int) -> dict[int, tuple[int,
     script.write_text(code)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FASTCAST_")}
     env |= {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # Each rank's stdout in its own file (--redirects 1): ranks sharing one pipe can
+    # interleave their lines, which the report pattern would then miss.
+    logs = folder / "logs"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", str(nproc), script.name]
+    command += ["--nproc-per-node", str(nproc), "--log-dir", str(logs), "--redirects", "1"]
+    command += [script.name]
     done = subprocess.run(
         command, cwd=script.parent, env=env, capture_output=True, text=True, timeout=900
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    outputs = sorted(logs.rglob("stdout.log"))
+    printed = "\n".join(f"{path.relative_to(logs)}:\n{path.read_text()}" for path in outputs)
+    assert done.returncode == 0, printed[-3000:] + done.stderr[-6000:]
+    assert len(outputs) == nproc, f"{len(outputs)} rank logs for {nproc} ranks:\n{printed}"
     reports: dict[int, tuple[int, float]] = {}
-    for rank, world, dp, loss in REPORT.findall(done.stdout):
-        assert int(rank) not in reports, f"rank {rank} reported twice:\n{done.stdout}"
-        reports[int(rank)] = (int(world), float(loss) * int(dp or 1))  # the global loss
+    for path in outputs:
+        for rank, world, dp, loss in REPORT.findall(path.read_text()):
+            assert int(rank) not in reports, f"rank {rank} reported twice:\n{printed}"
+            reports[int(rank)] = (int(world), float(loss) * int(dp or 1))  # the global loss
+    assert len(reports) == nproc, f"reports from ranks {sorted(reports)}:\n{printed}"
     return reports
 
 
