@@ -40,7 +40,7 @@ test: kernels
 # builds from an empty kernel directory, nvcc's compile check of the CUDA kernels, and the
 # longest compile and multi-rank runs (.ci/run runs them after `make test`).
 test-slow: kernels
-	FASTCAST_SLOW_TESTS=1 $(PY) -m pytest tests -m slow
+	FASTCAST_SLOW_TESTS=1 $(PY) -m pytest tests bench/tests -m slow
 
 bench: $(COMPARE) kernels
 	$(PY) -m bench.run

@@ -640,6 +640,12 @@ def section_tp(rank: int, world: int) -> dict[str, Any]:
     out["errors"] = isolated(_tp_errors)
     for name in ("current", "mxfp8"):
         out[f"sp.{name}"] = isolated(sequence_parallel_training, name, rank, world)
+    return out
+
+
+def section_tp_llama(rank: int, world: int) -> dict[str, Any]:
+    """A tiny Hugging Face Llama under tensor parallelism (``make test-slow``)."""
+    out: dict[str, Any] = {}
     for i, name in enumerate(LLAMA_RECIPES):
         out[f"llama.{name}"] = isolated(llama_training, name, True, dist.group.WORLD)
         if i % world == rank:
@@ -702,6 +708,7 @@ def _tp_dcp(recipe_name: str, rank: int) -> dict[str, Any]:
 
 
 SECTIONS["tp"] = section_tp
+SECTIONS["tp_llama"] = section_tp_llama
 SECTIONS["tp_dcp"] = section_tp_dcp
 
 
@@ -862,13 +869,21 @@ def section_fsdp_fp8(rank: int, world: int) -> dict[str, Any]:
     out["current"]["precompute"] = isolated(fp8ag_run, "current", True, rank, world, True)
     out["delayed"]["no_group"] = isolated(_delayed_without_group, rank, world)
     out["dcp"] = isolated(_fp8ag_dcp, rank, world)
+    return out
+
+
+def section_fsdp_fp8_models(rank: int, world: int) -> dict[str, Any]:
+    """The FP8 all-gather's longer runs (``make test-slow``): without re-gather, under
+    activation checkpointing, and a tiny Hugging Face Llama."""
+    out: dict[str, Any] = {}
     for name in RECIPES:
-        out[name]["variants"] = {
-            v: isolated(_fp8ag_variant, name, v, rank, world)
-            for v in ("plain", "fp8_no_reshard", "fp8_checkpointed")
+        out[name] = {
+            "variants": {
+                v: isolated(_fp8ag_variant, name, v, rank, world)
+                for v in ("plain", "fp8_no_reshard", "fp8_checkpointed")
+            },
+            "llama": {"fp8": isolated(fp8ag_llama, name, True, rank, world)},
         }
-    for name in RECIPES:
-        out[name]["llama"] = {"fp8": isolated(fp8ag_llama, name, True, rank, world)}
         if rank == 0:
             out[name]["llama"]["reference"] = isolated(fp8ag_llama, name, False, None, world)
     return out
@@ -1054,6 +1069,7 @@ def _delayed_without_group(rank: int, world: int) -> str:
 
 
 SECTIONS["fsdp_fp8"] = section_fsdp_fp8
+SECTIONS["fsdp_fp8_models"] = section_fsdp_fp8_models
 
 
 def _fp8ag_compiled(recipe_name: str, compiled: bool, rank: int, world: int) -> dict[str, Any]:
@@ -1281,13 +1297,20 @@ def section_fsdp_qag(rank: int, world: int) -> dict[str, Any]:
         }
         if rank == 0:
             out[name]["reference"] = isolated(qag_run, name, True, None, world)
+    for name in ("rowwise", "nvfp4"):
+        out[name]["precompute"] = isolated(qag_run, name, True, rank, world, True)
+    return out
+
+
+def section_fsdp_qag_models(rank: int, world: int) -> dict[str, Any]:
+    """The block-scaled quantized all-gather's longer runs (``make test-slow``): without
+    re-gather, under activation checkpointing, BF16 parameters, a tiny Llama."""
+    out: dict[str, Any] = {name: {} for name in ("rowwise", "block", "mxfp8", "nvfp4")}
     for name in ("rowwise", "mxfp8", "nvfp4"):
         out[name]["variants"] = {
             v: isolated(_fp8ag_variant, name, v, rank, world)
             for v in ("plain", "fp8_no_reshard", "fp8_checkpointed")
         }
-    for name in ("rowwise", "nvfp4"):
-        out[name]["precompute"] = isolated(qag_run, name, True, rank, world, True)
     for name in ("mxfp8", "nvfp4"):
         out[name]["bf16"] = {
             kind: isolated(qag_bf16, name, kind == "q", rank, world) for kind in ("q", "hp")
@@ -1300,6 +1323,7 @@ def section_fsdp_qag(rank: int, world: int) -> dict[str, Any]:
 
 
 SECTIONS["fsdp_qag"] = section_fsdp_qag
+SECTIONS["fsdp_qag_models"] = section_fsdp_qag_models
 
 
 # -- several sections in one spawn -------------------------------------------------------------

@@ -422,6 +422,7 @@ def test_charts_from_the_sample(sample, tmp_path):
     assert "linear.png" not in {p.name for p in charts.draw(partial, None, tmp_path / "p")}
 
 
+@pytest.mark.slow  # a profiled training run in a fresh interpreter
 def test_make_profile_samples_only_the_steady_state(tmp_path):
     # A py-spy that checks, when started, that the target finished its warm-up (the
     # --ready file exists), then waits for the target to end and writes its output.

@@ -13,7 +13,10 @@ sections the selected tests use run one after the other in the same two processe
 - ``fsdp2``: ``fully_shard`` on a CPU device mesh, the same comparison;
 - ``tp``, ``tp_dcp``: tensor (and sequence) parallelism, and its DCP checkpoints;
 - ``fsdp_fp8``, ``fsdp_qag``: FSDP2's quantized all-gather, per-tensor and block-scaled
-  recipes (``fsdp_fp8_compile``, its compiled run, spawns on its own: slow).
+  recipes (``fsdp_fp8_compile``, its compiled run, spawns on its own: slow);
+- ``tp_llama``, ``fsdp_fp8_models``, ``fsdp_qag_models``: the longer runs (tiny Hugging
+  Face Llamas, no-reshard and checkpointed variants, BF16 parameters), marked slow: the
+  shared spawn runs them only under ``make test-slow``.
 
 A worker stuck in a collective raises after the process group's timeout; a worker that
 still has not exited after ``HARD_TIMEOUT`` is killed and the test fails, so a deadlock
@@ -42,7 +45,19 @@ def spawn(section: str, out_dir: Path) -> list[dict[str, Any]]:
 
 
 # The sections whose fixtures (of the same names) share one spawn, ``two_ranks``.
-SHARED_SECTIONS = ("registry", "ddp", "fsdp2", "tp", "tp_dcp", "fsdp_fp8", "fsdp_qag")
+SHARED_SECTIONS = (
+    "registry",
+    "ddp",
+    "fsdp2",
+    "tp",
+    "tp_dcp",
+    "fsdp_fp8",
+    "fsdp_qag",
+    # The longer runs on tiny Hugging Face models and variants: make test-slow.
+    "tp_llama",
+    "fsdp_fp8_models",
+    "fsdp_qag_models",
+)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +67,12 @@ def two_ranks(
     """One spawn for the shared sections that the selected tests use (``-k`` runs only
     what its tests need), one after the other (``workers.section_shared``): section ->
     results by rank."""
-    used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    used = {
+        name
+        for item in request.session.items
+        if item.get_closest_marker("skip") is None  # conftest skips slow ones: no spawn
+        for name in getattr(item, "fixturenames", ())
+    }
     names = [name for name in SHARED_SECTIONS if name in used]
     results = spawn_ranks(
         workers.entry,
@@ -354,18 +374,24 @@ def test_tensor_parallel_dcp_resharded(tp_dcp, recipe):
     torch.testing.assert_close(r["single"], r["saved"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def tp_llama(two_ranks: dict[str, Any]) -> list[dict[str, Any]]:
+    return section(two_ranks, "tp_llama")
+
+
+@pytest.mark.slow  # a Hugging Face Llama per recipe, and its one-process references
 @pytest.mark.parametrize("recipe", ["delayed", "current", "mxfp8", "nvfp4"])
-def test_tensor_parallel_hugging_face_llama(tp, recipe):
+def test_tensor_parallel_hugging_face_llama(tp_llama, recipe):
     """A tiny Llama (transformers, from a config), its projections split by
     parallelize_module, trains 3 steps as in one process (within FP32 rounding: the
     row-parallel o_proj and down_proj sum partial GEMMs)."""
-    ref = tp[0][f"llama.{recipe}.reference"]
-    for result in tp:
+    ref = tp_llama[0][f"llama.{recipe}.reference"]
+    for result in tp_llama:
         res = result[f"llama.{recipe}"]
         torch.testing.assert_close(res["losses"], ref["losses"], rtol=1e-5, atol=0)
         assert max_rel(res["params"], ref["params"]) < 1e-5
         for name, p in res["params"].items():
-            assert torch.equal(p, tp[0][f"llama.{recipe}"]["params"][name]), name
+            assert torch.equal(p, tp_llama[0][f"llama.{recipe}"]["params"][name]), name
     assert any("q_proj" in n for n in ref["params"])
 
 
@@ -531,25 +557,32 @@ def test_fsdp_fp8_all_gather_dcp(fsdp_fp8):
         assert torch.equal(ref["single_params"][name], p), name
 
 
+@pytest.fixture(scope="module")
+def fsdp_fp8_models(two_ranks: dict[str, Any]) -> list[dict[str, Any]]:
+    return section(two_ranks, "fsdp_fp8_models")
+
+
+@pytest.mark.slow  # a Hugging Face Llama per recipe, and its one-process reference
 @pytest.mark.parametrize("recipe", FP8AG_RECIPES)
-def test_fsdp_fp8_all_gather_hugging_face_llama(fsdp_fp8, recipe):
+def test_fsdp_fp8_all_gather_hugging_face_llama(fsdp_fp8_models, recipe):
     # A tiny Llama (8 fc.Linear, lm_head included) against one process on all sequences:
     # within FP32 rounding (the ranks' losses add up to its loss).
-    ref = fsdp_fp8[0][recipe]["llama"]["reference"]
-    losses = sum(r[recipe]["llama"]["fp8"]["losses"] for r in fsdp_fp8)
+    ref = fsdp_fp8_models[0][recipe]["llama"]["reference"]
+    losses = sum(r[recipe]["llama"]["fp8"]["losses"] for r in fsdp_fp8_models)
     torch.testing.assert_close(losses, ref["losses"], rtol=1e-5, atol=0)
     for name, p in ref["params"].items():
-        got = fsdp_fp8[0][recipe]["llama"]["fp8"]["params"][name]
+        got = fsdp_fp8_models[0][recipe]["llama"]["fp8"]["params"][name]
         torch.testing.assert_close(got, p, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # three more trainings per recipe
 @pytest.mark.parametrize("recipe", FP8AG_RECIPES)
 @pytest.mark.parametrize("variant", ["fp8_no_reshard", "fp8_checkpointed"])
-def test_fsdp_fp8_all_gather_variants(fsdp_fp8, recipe, variant):
+def test_fsdp_fp8_all_gather_variants(fsdp_fp8_models, recipe, variant):
     # reshard_after_forward=False (no backward re-gather) and activation checkpointing
     # (the recomputation runs on the re-gathered FP8 weight): bit for bit the
     # high-precision gather.
-    for result in fsdp_fp8:
+    for result in fsdp_fp8_models:
         runs = result[recipe]["variants"]
         assert torch.equal(runs[variant]["losses"], runs["plain"]["losses"])
         for name, p in runs["plain"]["params"].items():
@@ -673,11 +706,17 @@ def test_fsdp_quantized_all_gather_no_leak(fsdp_qag, recipe):
         assert all(n <= live[0][0] and b <= live[0][1] for n, b in live), live
 
 
+@pytest.fixture(scope="module")
+def fsdp_qag_models(two_ranks: dict[str, Any]) -> list[dict[str, Any]]:
+    return section(two_ranks, "fsdp_qag_models")
+
+
+@pytest.mark.slow  # three more trainings per recipe
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8", "nvfp4"])
 @pytest.mark.parametrize("variant", ["fp8_no_reshard", "fp8_checkpointed"])
-def test_fsdp_quantized_all_gather_variants(fsdp_qag, recipe, variant):
+def test_fsdp_quantized_all_gather_variants(fsdp_qag_models, recipe, variant):
     # No backward re-gather, and activation checkpointing: the high-precision gather's run.
-    for result in fsdp_qag:
+    for result in fsdp_qag_models:
         runs = result[recipe]["variants"]
         assert torch.equal(runs[variant]["losses"], runs["plain"]["losses"])
         for name, p in runs["plain"]["params"].items():
@@ -704,25 +743,27 @@ def test_fsdp_quantized_all_gather_reductions(fsdp_qag, recipe):
         assert result["mxfp8"]["q"]["reductions"][1].numel() == 0
 
 
+@pytest.mark.slow  # two more trainings per recipe
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
-def test_fsdp_quantized_all_gather_bf16_params(fsdp_qag, recipe):
+def test_fsdp_quantized_all_gather_bf16_params(fsdp_qag_models, recipe):
     # MixedPrecisionPolicy(param_dtype=bf16): each rank quantizes its shard cast to bf16,
     # which is what the GEMMs make of FSDP2's bf16 gather: bit for bit.
-    for result in fsdp_qag:
+    for result in fsdp_qag_models:
         runs = result[recipe]["bf16"]
         assert torch.equal(runs["q"]["losses"], runs["hp"]["losses"])
         for name, p in runs["hp"]["params"].items():
             assert torch.equal(runs["q"]["params"][name], p), name
 
 
+@pytest.mark.slow  # a Hugging Face Llama per recipe, and its one-process reference
 @pytest.mark.parametrize("recipe", ["rowwise", "block", "mxfp8", "nvfp4"])
-def test_fsdp_quantized_all_gather_hugging_face_llama(fsdp_qag, recipe):
+def test_fsdp_quantized_all_gather_hugging_face_llama(fsdp_qag_models, recipe):
     # A tiny Llama (7 fc.Linear and lm_head; Float8BlockScaling gathers the weights whose
     # shards are not whole 128x128 tiles in high precision): one process running the
     # ranks' sequences as micro-batches, bit for bit.
-    ref = fsdp_qag[0][recipe]["llama"]["reference"]
-    for rank, result in enumerate(fsdp_qag):
+    ref = fsdp_qag_models[0][recipe]["llama"]["reference"]
+    for rank, result in enumerate(fsdp_qag_models):
         got = result[recipe]["llama"]["q"]
         assert torch.equal(got["losses"], ref["losses"][:, rank : rank + 1])
     for name, p in ref["params"].items():
-        assert torch.equal(fsdp_qag[0][recipe]["llama"]["q"]["params"][name], p), name
+        assert torch.equal(fsdp_qag_models[0][recipe]["llama"]["q"]["params"][name], p), name

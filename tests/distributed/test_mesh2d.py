@@ -69,6 +69,7 @@ DP, TP = workers.DP, workers.TP
 HIDDEN_SHARD = 256 // TP
 
 
+@pytest.mark.slow  # four ranks (the mesh2d spawn): make test-slow
 @pytest.mark.parametrize("recipe", workers.RECIPES)
 def test_fsdp2_x_tp_matches_single_process(mesh2d, recipe):
     """``parallelize_module`` over the "tp" sub-mesh, ``fully_shard`` over "dp" (FSDP2
@@ -113,6 +114,7 @@ def test_fsdp2_x_tp_matches_single_process(mesh2d, recipe):
         assert torch.equal(got["forward.amax_history"], want["forward.amax_history"])
 
 
+@pytest.mark.slow  # four ranks (the mesh2d spawn)
 def test_fsdp2_x_tp_refusals(mesh2d):
     """``quantized_all_gather=True`` on a 2-D model, and a layer called with FSDP2's
     ungathered 2-D weight: ``NotImplementedError``s naming the layer and what to do."""
@@ -143,6 +145,7 @@ def test_dcp_saved_on_2_loaded_on_1(saved, kind, recipe):
         torch.testing.assert_close(r["single"], r["forward"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # four ranks (the mesh2d spawn)
 @pytest.mark.parametrize("kind", ["fsdp", "tp"])
 @pytest.mark.parametrize("recipe", workers.RECIPES)
 def test_dcp_saved_on_2_loaded_on_4(saved, mesh2d, kind, recipe):

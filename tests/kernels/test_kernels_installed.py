@@ -85,6 +85,7 @@ def test_an_installed_library_for_this_torch_loads_with_no_build(built_library, 
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.slow  # a failing build attempt in a fresh interpreter
 def test_a_library_for_another_torch_is_said_and_built_for(built_library, tmp_path):
     key = build.abi_key() | {"torch": "2.9.0+cu128"}
     folder = _install(tmp_path / "installed", built_library, key)
@@ -96,6 +97,7 @@ def test_a_library_for_another_torch_is_said_and_built_for(built_library, tmp_pa
     assert "fastcast: building the fused C++ quantize kernels" in done.stderr
 
 
+@pytest.mark.slow  # three fresh interpreters, two failing build attempts
 def test_edited_sources_and_the_switch_rule_out_the_library(built_library, tmp_path):
     key = build.abi_key() | {"sources": "0" * 64}
     stale = _install(tmp_path / "stale", built_library, key)
