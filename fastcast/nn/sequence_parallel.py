@@ -40,6 +40,7 @@ from ..quantizers.base import (
 )
 from ..quantizers.reduction import GroupMax
 from ..reference.cast import as_matrix
+from ..runtime.state import gathered_inputs
 from ..schemes import scheme_for
 from ..tensor import WHOLE, QuantizedTensor
 
@@ -124,15 +125,16 @@ class InputGather:
         Layers given the same input DTensor (q/k/v or gate/up projections after a
         ``SequenceParallel`` norm) share one gather where the quantizer depends on its
         input alone: equal quantizers and the same input give the same codes and scales.
-        The gather is kept on ``source`` (it goes with it) while ``source`` is unchanged
-        (its version counters). Delayed scaling's scales are each layer's own and change
-        at the end of the step: each layer gathers its own."""
+        The state manager keeps the gather by ``source`` (``runtime.state.gathered_inputs``:
+        it goes with ``source``) while ``source`` is unchanged (its version counters).
+        Delayed scaling's scales are each layer's own and change at the end of the step:
+        each layer gathers its own."""
         quantizer = self.slice_quantizer(quantizer)
         columnwise = columnwise and self.scaled
         shareable = is_pure(quantizer)
         if shareable:
             versions = (source._version, x._version)
-            kept = getattr(source, _SHARED, None)
+            kept = gathered_inputs.get(source)
             if (
                 kept is not None
                 and kept[:3] == (quantizer, self.mesh, versions)
@@ -151,7 +153,7 @@ class InputGather:
             x_q.scale_inv = gathered[1]
         x_cols = local.columnwise_operand() if columnwise else None
         if shareable:
-            setattr(source, _SHARED, (quantizer, self.mesh, versions, x_q, x_cols))
+            gathered_inputs[source] = (quantizer, self.mesh, versions, x_q, x_cols)
         return x_q, x_cols
 
     def gather_columns(self, x_cols: QuantizedTensor) -> QuantizedTensor:
@@ -245,10 +247,6 @@ class InputGather:
             dgrad.reshape(self.shape), self.mesh, [Partial()], run_check=False
         )
         return partial.redistribute(self.mesh, [Shard(self.dim)]).to_local()
-
-
-# The attribute of an input DTensor that keeps its gather for the next layer given it.
-_SHARED = "_fc_fp8_gathered"
 
 
 def _with_columnwise(x_q: QuantizedTensor) -> QuantizedTensor:

@@ -13,6 +13,8 @@ import threading
 import weakref
 from typing import Any, Protocol
 
+from torch.utils.weak import WeakIdKeyDictionary
+
 from ..recipe import Recipe
 
 
@@ -315,7 +317,7 @@ class _GroupIds:
     def serial(self, group: Any) -> int:
         with self._lock:
             entry = self._by_id.get(id(group))
-            if entry is not None and _deref(entry[0]) is group:
+            if entry is not None and entry[0]() is group:
                 return entry[1]
             serial = next(self._counter)
             try:
@@ -340,10 +342,6 @@ class _Strong:
 
     def __call__(self) -> Any:
         return self.obj
-
-
-def _deref(ref: Any) -> Any:
-    return ref()
 
 
 _group_ids = _GroupIds()
@@ -393,3 +391,7 @@ optimizer_steps = _OptimizerSteps()
 # so a later group that reuses its address starts unchecked. (ProcessGroup compares and
 # hashes by identity.)
 agreed_recipes: weakref.WeakKeyDictionary[Any, set[Recipe]] = weakref.WeakKeyDictionary()
+
+# Sequence parallelism's quantized gathers by the input DTensor they were made from (the
+# layers given one input share its gather; nn.sequence_parallel): an entry goes with its input.
+gathered_inputs: WeakIdKeyDictionary = WeakIdKeyDictionary()

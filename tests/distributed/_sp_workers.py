@@ -262,6 +262,7 @@ def sp_layer(
     x = torch.randn(shape, generator=g)
     x_local = x.chunk(mesh.size(), dim=dim)[mesh.get_local_rank()].clone().requires_grad_()
     x_dt = DTensor.from_local(x_local, mesh, [Shard(dim)], shape=x.shape, stride=x.stride())
+    attributes = set(vars(x_dt))
     with GatherBytes() as counter:
         counter.on = True
         with fc.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
@@ -279,6 +280,7 @@ def sp_layer(
         "x_grad": x_local.grad.clone(),
         "grads": {n: p.grad.to_local().clone() for n, p in layer.named_parameters()},
         "fp8_gathers": counter.calls["uint8"],
+        "attributes_added": sorted(set(vars(x_dt)) - attributes),
     }
 
 
