@@ -18,7 +18,8 @@ from ..serialization.extra_state import EXTRA_STATE_KEY
 from .autocast_forward import autocast_function, wrap_forward
 from .conv1d import HF_MODULE, Conv1D, adopt_hf_conv1d, is_hf_conv1d
 from .grouped import convert_experts
-from .linear import Linear, guard_loads
+from .linear import Linear
+from .linear_state import guard_loads
 
 logger = logging.getLogger("fastcast")
 
@@ -235,8 +236,7 @@ def keep_high_precision(
 
 def _validate_loads(module: nn.Module) -> None:
     """Install the load pre-hooks on ``module`` once: ``fill_tied_keys`` and
-    ``validate_extra_states`` (an ``fc.Linear`` validates its own state and ties
-    nothing)."""
+    ``validate_extra_states`` (an ``fc.Linear`` validates its own state, ties nothing)."""
     if isinstance(module, Linear):
         return
     installed = {getattr(h, "hook", h) for h in module._load_state_dict_pre_hooks.values()}

@@ -22,7 +22,7 @@ the meta device, not sparse or nested); a known header; then the kind's own chec
 holds an ``fc.Linear`` (a model built from them, or one ``fc.convert`` converted) has a
 load pre-hook that validates every ``fc.Linear``'s state before the first parameter is
 written, so a refused load changes nothing
-(``fastcast.nn.linear.validate_extra_states``).
+(``fastcast.nn.linear_state.validate_extra_states``).
 
 A pickled payload offered to a module (``bytes``, ``bytearray``, ``io.BytesIO`` or a
 uint8 tensor: the forms TransformerEngine stores its extra state in) is refused with a
