@@ -42,7 +42,11 @@ def region(active: bool) -> tuple[Any, bool] | None:
     if hooks is not None:
         return _non_reentrant(hooks[0])
     if not torch.is_grad_enabled():
-        found = _reentrant_forward() if active else None
+        # Under inference mode no graph is recorded, so no region entered there can be
+        # recomputed: the Python stack is not walked (inference under fc.autocast).
+        if not active or torch.is_inference_mode_enabled():
+            return None
+        found = _reentrant_forward()
         return None if found is None else (found, False)
     if current_graph_task_id() != -1:  # a forward inside a backward: maybe a recomputation
         node = _current_node()

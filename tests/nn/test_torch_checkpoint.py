@@ -79,3 +79,31 @@ def test_no_region_outside_a_checkpoint():
 
     Probe.apply(x).sum().backward()
     assert seen == [None, None]
+
+
+def test_inference_mode_walks_no_stack_and_keeps_non_reentrant_regions(monkeypatch):
+    """Under ``torch.inference_mode`` no region can be recomputed: the reentrant search
+    (a walk up the Python stack) does not run. A non-reentrant region whose function
+    enters inference mode is still found (its hooks are read first), in its forward and
+    its recomputation alike."""
+    calls: list = []
+    monkeypatch.setattr(torch_checkpoint, "_reentrant_forward", lambda: calls.append(1))
+    x = torch.randn(4, requires_grad=True)
+    with torch.inference_mode():
+        assert torch_checkpoint.region(active=True) is None
+        checkpoint(_probed([]), x, use_reentrant=True)
+    assert calls == []
+    with torch.no_grad():  # plain no-grad code still looks (a reentrant forward's mode)
+        torch_checkpoint.region(active=True)
+    assert calls == [1]
+
+    seen: list = []
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            seen.append(torch_checkpoint.region(active=True))
+        return t * t
+
+    checkpoint(fn, x, use_reentrant=False).sum().backward()
+    assert [found[1] for found in seen] == [False, True]
+    assert seen[0][0] is seen[1][0]
