@@ -1,0 +1,140 @@
+"""Interleaved A/B in one process: this checkout's ``fastcast`` against another checkout's,
+imported beside it under the name ``fcbase``.
+
+``python bench/ab_one_process.py BASE_ROOT [rounds]`` copies ``BASE_ROOT/fastcast`` to a
+temporary directory as ``fcbase`` (its absolute module and operator names renamed; it
+uses this checkout's installed kernel library, so build or copy one here first, and its
+own ``runtime/_native`` when it has one), then times ``fc.autocast`` enter+exit and
+``fc.Linear`` forward+backward (16x16 and 256x256, current and delayed scaling): each
+round one block per side and entry, A then B, the order reversed the next round. It
+prints per entry the medians of the blocks, B/A, the median (and quartiles) of each
+round's B/A, and each side's min..max. One process: both
+sides see the same allocator, caches and load; a shared machine still moves each block,
+so read the spread before the ratio.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parents[1]
+
+
+def _copy_base(base_root: Path, into: Path) -> None:
+    """``base_root/fastcast`` as the package ``fcbase`` under ``into``."""
+    dst = into / "fcbase"
+    shutil.copytree(
+        base_root / "fastcast", dst, ignore=shutil.ignore_patterns("__pycache__", "installed")
+    )
+    renames = {
+        '"fastcast.compile"': '"fcbase.compile"',
+        '"fastcast.autocast"': '"fcbase.autocast"',
+        '"fastcast::': '"fcbase::',  # its own torch.library operators
+    }
+    for path in dst.rglob("*.py"):
+        text = path.read_text()
+        new = text
+        for old, replacement in renames.items():
+            new = new.replace(old, replacement)
+        if path.name == "fake.py" and path.parent.name == "kernels":
+            # The kernel library (and its fake kernels) is registered once, by this checkout.
+            new = new.replace("@torch.library.register_fake(", "@(lambda name: (lambda f: f))(")
+        if new != text:
+            path.write_text(new)
+    installed = HERE / "fastcast" / "kernels" / "installed"
+    if installed.exists():
+        (dst / "kernels" / "installed").symlink_to(installed)
+
+
+def _block(loop: Any, inner: int) -> float:
+    start = time.perf_counter()
+    loop(inner)
+    return (time.perf_counter() - start) / inner * 1e6
+
+
+def _entries(fc: Any) -> dict[str, tuple[Any, int]]:
+    """Entry name -> (loop(n), iterations a block)."""
+    import torch  # noqa: PLC0415
+
+    def autocast_loop(n: int) -> None:
+        recipe, ac = fc.Float8CurrentScaling(), fc.autocast
+        for _ in range(n):
+            with ac(recipe=recipe):
+                pass
+
+    def linear(recipe: Any, size: int) -> Any:
+        torch.manual_seed(0)
+        layer = fc.Linear(size, size)
+        x = torch.randn(size, size, requires_grad=True)
+
+        def loop(n: int) -> None:
+            for _ in range(n):
+                with fc.autocast(recipe=recipe):
+                    out = layer(x)
+                out.sum().backward()
+                x.grad = layer.weight.grad = layer.bias.grad = None
+
+        loop(20)  # warm: plans, weight cache, delayed state
+        return loop
+
+    fresh = contextvars.Context()  # a training script's context (docs/architecture.md)
+    out = {"autocast enter+exit": (lambda n: fresh.run(autocast_loop, n), 5000)}
+    for size, inner in ((16, 100), (256, 20)):
+        for name, recipe in (
+            ("current", fc.Float8CurrentScaling()),
+            ("delayed", fc.DelayedScaling()),
+        ):
+            out[f"Linear {size}x{size} fwd+bwd {name}"] = (linear(recipe, size), inner)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    base_root, rounds = Path(argv[0]).resolve(), int(argv[1]) if len(argv) > 1 else 15
+    import torch  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    with tempfile.TemporaryDirectory() as tmp:
+        _copy_base(base_root, Path(tmp))
+        sys.path.insert(0, str(HERE))
+        sys.path.insert(0, tmp)
+        base, this = importlib.import_module("fcbase"), importlib.import_module("fastcast")
+        assert Path(this.__file__).is_relative_to(HERE), this.__file__
+        sides = {"A (base)": _entries(base), "B (this)": _entries(this)}
+        names = list(sides["A (base)"])
+        times: dict[str, dict[str, list[float]]] = {s: {n: [] for n in names} for s in sides}
+        order = list(sides)
+        for i in range(rounds):
+            for name in names:
+                for side in order if i % 2 == 0 else order[::-1]:
+                    loop, inner = sides[side][name]
+                    times[side][name].append(_block(loop, inner))
+    print(f"A: {base_root}  B: {HERE}  rounds: {rounds}  (µs per iteration)")
+    print(
+        f"{'entry':34} {'A median':>9} {'B median':>9} {'B/A':>6}  {'paired B/A (IQR)':>22}"
+        "   A min..max   B min..max"
+    )
+    for name in names:
+        a, b = times["A (base)"][name], times["B (this)"][name]
+        ma, mb = statistics.median(a), statistics.median(b)
+        # Each round's B/A: the two blocks of a round ran side by side, under one load.
+        paired = sorted(y / x for x, y in zip(a, b))
+        q1, q2, q3 = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+        print(
+            f"{name:34} {ma:9.2f} {mb:9.2f} {mb / ma:6.3f}  {q2:8.3f} ({q1:.3f}..{q3:.3f})"
+            f"   {min(a):.1f}..{max(a):.1f}   {min(b):.1f}..{max(b):.1f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
