@@ -323,8 +323,9 @@ class NVFP4BlockScaling(Recipe):
     exact arithmetic). Each can be turned off; ``stochastic_rounding=False,
     random_hadamard_transform=False`` is fastcast's earlier NVFP4 recipe.
 
-    Keep the last layer (an LM head) in high precision too: ``fc.convert(model,
-    fc.keep_high_precision(model))``.
+    ``fc.convert(model, recipe=NVFP4BlockScaling())`` keeps the output layer (an LM head)
+    in high precision by default (``keep_head``); ``fc.keep_high_precision`` keeps more.
+    docs/usage.md has the measured effect on tiny models, and what the rest costs.
     """
 
     fp4_format: Format = Format.E2M1
