@@ -376,7 +376,7 @@ def test_tensor_parallel_dcp_resharded(tp_dcp, recipe):
 
 @pytest.fixture(scope="module")
 def tp_llama(two_ranks: dict[str, Any]) -> list[dict[str, Any]]:
-    return section(two_ranks, "tp_llama")
+    return share(section(two_ranks, "tp_llama"))
 
 
 @pytest.mark.slow  # a Hugging Face Llama per recipe, and its one-process references
