@@ -21,7 +21,7 @@ CEILINGS = {
     # forward (an instance attribute, opted into by the user, undone by no one else), so
     # trainers that call model(...) run it under fc.autocast (nn/autocast_forward.py).
     "replacements": 1,
-    "files_over_400_lines": 3,
+    "files_over_400_lines": 0,
     "import_cycles": 0,
     "package_import_cycles": 0,
     "longest_module_docstring": 51,

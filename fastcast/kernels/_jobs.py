@@ -2,7 +2,7 @@
 install's build of the CPU library (``setup.py``).
 
 The child imports this module from ``fastcast/kernels/`` without importing ``fastcast``
-(an install in progress has none), so it imports only ``build`` beside it, torch and the
+(an install in progress has none), so it imports only modules beside it, torch and the
 standard library.
 """
 
@@ -16,7 +16,21 @@ from pathlib import Path
 
 import torch
 
-from . import build
+from .directory import build_step, copy_sources, exclusive, import_library, say
+from .keys import abi_key, build_dir, build_key
+from .sources import (
+    BUILT_STAMP,
+    CFLAGS,
+    CUDA_HEADERS,
+    CUDA_NAME,
+    CUDA_SOURCES,
+    INSTALLED_KEY,
+    INSTALLED_LIBRARY,
+    LDFLAGS,
+    NAMESPACE,
+    NVCC_FLAGS,
+    SOURCE_COPY,
+)
 
 
 def child_main(args: list[str]) -> int:
@@ -27,7 +41,7 @@ def child_main(args: list[str]) -> int:
     if kind == "cpu":
         compile_cpu(Path(target))
     elif kind == "cuda":
-        build._import(Path(rest[0]))
+        import_library(Path(rest[0]))
         compile_cuda(Path(target))
     elif kind == "install":
         install_into(Path(target))
@@ -40,12 +54,12 @@ def compile_cpu(directory: Path) -> None:
     """Compile the CPU library into ``directory``, in this process."""
     from torch.utils import cpp_extension  # noqa: PLC0415 - slow import, a build only
 
-    sources = build._copy_sources(directory / build.SOURCE_COPY)
+    sources = copy_sources(directory / SOURCE_COPY)
     cpp_extension.load(
-        name=build.NAMESPACE,
+        name=NAMESPACE,
         sources=[str(s) for s in sources],
-        extra_cflags=list(build.CFLAGS),
-        extra_ldflags=list(build.LDFLAGS),
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
         build_directory=str(directory),
         is_python_module=True,
         verbose=False,
@@ -56,14 +70,12 @@ def compile_cuda(directory: Path) -> None:
     """Compile the CUDA library into ``directory``, in this process."""
     from torch.utils import cpp_extension  # noqa: PLC0415 - slow import, a build only
 
-    sources = build._copy_sources(
-        directory / build.SOURCE_COPY, build.CUDA_SOURCES, build.CUDA_HEADERS
-    )
+    sources = copy_sources(directory / SOURCE_COPY, CUDA_SOURCES, CUDA_HEADERS)
     cpp_extension.load(
-        name=build.CUDA_NAME,
+        name=CUDA_NAME,
         sources=[str(s) for s in sources],
         extra_cflags=["-O3"],
-        extra_cuda_cflags=list(build.NVCC_FLAGS),
+        extra_cuda_cflags=list(NVCC_FLAGS),
         build_directory=str(directory),
         is_python_module=False,  # loaded with torch.ops.load_library
         with_cuda=True,
@@ -74,33 +86,33 @@ def compile_cuda(directory: Path) -> None:
 def install_into(dest: Path) -> float:
     """At install: the CPU library of this environment's torch, built in its kernel
     directory as on first use (or found there already built, by the same key), copied
-    into ``dest`` beside ``build.INSTALLED_KEY``: its ``abi_key``, the seconds this took
+    into ``dest`` beside ``INSTALLED_KEY``: its ``abi_key``, the seconds this took
     and where it was built. Returns the seconds."""
     from torch.utils import cpp_extension  # noqa: PLC0415 - slow import, a build only
 
     start = time.perf_counter()
-    key = build.build_key()
-    directory = build.build_dir(key)
-    library = directory / f"{build.NAMESPACE}{cpp_extension.LIB_EXT}"
-    with build._exclusive(directory):
-        if (directory / build.BUILT_STAMP).exists() and library.exists():
-            build._say(f"the fused kernels are already built for this torch in {directory}")
+    key = build_key()
+    directory = build_dir(key)
+    library = directory / f"{NAMESPACE}{cpp_extension.LIB_EXT}"
+    with exclusive(directory):
+        if (directory / BUILT_STAMP).exists() and library.exists():
+            say(f"the fused kernels are already built for this torch in {directory}")
         else:
-            build._say(
+            say(
                 f"building the fused C++ quantize kernels for torch {torch.__version__} "
                 f"(about 30-60 s on two cores) in {directory}"
             )
-            with build._build_step("fused kernels", directory, key):
+            with build_step("fused kernels", directory, key):
                 compile_cpu(directory)
         dest.mkdir(parents=True, exist_ok=True)
         # The key is written last, so that a library is only ever found whole.
         # A new file replaces the old one (never written over: a process may have it
         # loaded).
-        (dest / build.INSTALLED_KEY).unlink(missing_ok=True)
-        partial = dest / f"{build.INSTALLED_LIBRARY}.partial"
+        (dest / INSTALLED_KEY).unlink(missing_ok=True)
+        partial = dest / f"{INSTALLED_LIBRARY}.partial"
         shutil.copyfile(library, partial)
-        os.replace(partial, dest / build.INSTALLED_LIBRARY)
+        os.replace(partial, dest / INSTALLED_LIBRARY)
     seconds = time.perf_counter() - start
-    record = {"key": build.abi_key(), "seconds": round(seconds, 1), "built_in": str(directory)}
-    (dest / build.INSTALLED_KEY).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    record = {"key": abi_key(), "seconds": round(seconds, 1), "built_in": str(directory)}
+    (dest / INSTALLED_KEY).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     return seconds

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-# Nothing of build.py is imported here (build.py calls this module, and runs without its
-# package in a build's child): what a build knows, file names included, comes as arguments.
+# Nothing of the build modules is imported here (build.py calls this module): what a build
+# knows, file names included, comes as arguments.
 
 DIRECTORY = Path(__file__).with_name("installed")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastcast.kernels import build, choice
+from fastcast.kernels import build, choice, sources
 from fastcast.quantizers import tensorwise
 from fastcast.quantizers.tensorwise import CurrentScalingQuantizer
 
@@ -75,7 +75,7 @@ def test_an_incomplete_install_falls_back_with_one_warning(
     # A wheel without fp8.h: the key cannot be computed; that must not escape as a
     # FileNotFoundError from the first quantize.
     monkeypatch.setenv("FASTCAST_KERNELS_DIR", str(tmp_path))
-    monkeypatch.setattr(build, "HEADERS", (build.CSRC / "missing.h",))
+    monkeypatch.setattr(sources, "HEADERS", (build.CSRC / "missing.h",))
     calls = _spy_reference(monkeypatch)
     x = torch.randn(8, 8)
     with pytest.warns(RuntimeWarning, match="could not be built.*missing.h") as record:
@@ -115,7 +115,7 @@ def test_the_build_directory_changes_with_the_compiler_and_flags(monkeypatch, tm
     assert build.build_dir(other) != base
     monkeypatch.delenv("CXX")
 
-    monkeypatch.setattr(build, "CFLAGS", (*build.CFLAGS, "-march=native"))
+    monkeypatch.setattr(sources, "CFLAGS", (*build.CFLAGS, "-march=native"))
     assert build.build_dir() != base
     monkeypatch.undo()
     monkeypatch.setenv("FASTCAST_KERNELS_DIR", str(tmp_path / "elsewhere"))
