@@ -538,17 +538,29 @@ def _tp_errors() -> dict[str, str]:
 
 
 LLAMA_RECIPES = ("delayed", "current", "mxfp8", "nvfp4")
+LLAMA_INTERMEDIATE, LLAMA_LR = 256, 0.1
 
 
-def llama_training(recipe_name: str, parallel: bool, group: Any) -> dict[str, Any]:
+def llama_training(
+    recipe_name: str,
+    parallel: bool,
+    group: Any,
+    start: list[dict[str, torch.Tensor]] | None = None,
+) -> dict[str, Any]:
     """A one-layer Hugging Face Llama built from a config, attention and MLP projections
-    split Megatron-style (q/k/v, gate/up colwise; o, down rowwise), 3 SGD steps."""
+    split Megatron-style (q/k/v, gate/up colwise; o, down rowwise), 3 SGD steps: each
+    step's loss, gradients and the parameters after it.
+
+    ``start`` (the one-process reference): step ``s > 0`` starts from ``start[s - 1]``,
+    the tensor-parallel run's parameters after step ``s - 1``, so that each step is
+    compared from the same parameters (SGD keeps no other state) and a code that FP32
+    rounding flipped in one step does not carry into the next."""
     import transformers  # noqa: PLC0415
 
     config = transformers.LlamaConfig(
         vocab_size=64,
         hidden_size=128,
-        intermediate_size=256,
+        intermediate_size=LLAMA_INTERMEDIATE,
         num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=4,
@@ -571,20 +583,23 @@ def llama_training(recipe_name: str, parallel: bool, group: Any) -> dict[str, An
         for layer in model.model.layers:
             parallelize_module(layer, mesh, plan)
     recipe = TP_RECIPES[recipe_name]()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
+    opt = torch.optim.SGD(model.parameters(), lr=LLAMA_LR)
+    losses, grads, params = [], [], []
     for step in range(TP_STEPS):
+        if start is not None and step > 0:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(start[step - 1][n])
         ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
         with fc.autocast(recipe=recipe, amax_reduction_group=group):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        grads.append({n: _full(p.grad) for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-    return {
-        "losses": torch.stack(losses),
-        "params": {n: _full(p) for n, p in model.named_parameters()},
-    }
+        params.append({n: _full(p) for n, p in model.named_parameters()})
+    return {"losses": torch.stack(losses), "grads": grads, "params": params}
 
 
 def sequence_parallel_training(recipe_name: str, rank: int, world: int) -> dict[str, Any]:
@@ -648,8 +663,9 @@ def section_tp_llama(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for i, name in enumerate(LLAMA_RECIPES):
         out[f"llama.{name}"] = isolated(llama_training, name, True, dist.group.WORLD)
-        if i % world == rank:
-            out[f"llama.{name}.reference"] = isolated(llama_training, name, False, None)
+        if i % world == rank:  # from each step's parameters (every rank holds them all)
+            start = out[f"llama.{name}"]["params"]
+            out[f"llama.{name}.reference"] = isolated(llama_training, name, False, None, start)
     return out
 
 

@@ -91,15 +91,21 @@ def fresh_dynamo() -> Iterator[None]:
 RUN_SLOW = os.environ.get("FASTCAST_SLOW_TESTS") == "1"
 
 
-# With ATEN_CPU_CAPABILITY=default, torch's Inductor (2.13) still writes C++ that uses
-# at::vec::Vectorized in reductions while its precompiled header leaves at::vec out
-# ("error: 'at::vec' has not been declared", a CppCompileError, for fastcast's compiled
-# amax + cast graphs). Disabling its vectorisation outright (cpp.simdlen = 0) gives the
-# scalar code that capability means. Not needed on AVX2 or AVX-512 machines.
-if os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower() == "default":
-    import torch._inductor.config as _inductor_config
+# A run with the vector ISA capped (ATEN_CPU_CAPABILITY=default, avx2, ...) keeps its
+# Inductor cache apart from the machine's native runs. Inductor's FX graph cache key
+# (torch 2.13) holds its config but not ATEN_CPU_CAPABILITY, from which it picks the
+# vector ISA when cpp.simdlen is unset: a graph cached by an AVX2 run is found again
+# under ``default`` and its AVX2 C++ recompiled without the at::vec header ("'at::vec'
+# has not been declared", a CppCompileError). Setting cpp.simdlen = 0 changes the key
+# only where it is seen: torch keeps config overrides in ContextVars, which a new thread
+# or a contextvars.Context() does not inherit, nor a spawned worker. The environment
+# variable reaches all of them.
+_CAPABILITY = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+if _CAPABILITY:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    _inductor_config.cpp.simdlen = 0
+    _base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_base, f"aten-cpu-{_CAPABILITY}")
 
 
 def pytest_collection_modifyitems(config, items):
