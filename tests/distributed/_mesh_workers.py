@@ -373,7 +373,10 @@ def accumulation_run(name: str, flags: bool, rank: int | None, world: int) -> di
     return res
 
 
-CHANGES = 6
+# Rounds: FSDP2 gathering into the old memory depends on the allocator (it happened in
+# at least one of 6 rounds on either rank in all runs here but one, under
+# ATEN_CPU_CAPABILITY=default); 12 make a run without it unlikely.
+CHANGES = 12
 
 
 def changed_weight(name: str, sharded: bool) -> dict[str, Any]:
