@@ -80,6 +80,11 @@ class _PlainOrderedDict(collections.OrderedDict):  # type: ignore[type-arg]
         return collections.OrderedDict, (list(self.items()),)
 
 
+def torch_dtypes() -> dict[tuple[str, str], torch.dtype]:
+    """Every ``torch.<dtype>`` global a pickle may name, to itself (a dtype is a value)."""
+    return {("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
+
+
 def _is_int(value: Any) -> bool:
     return type(value) is int
 

@@ -36,6 +36,7 @@ from .unpickled_torch import (
     _Storage,
     _storage_types,
     _StorageType,
+    torch_dtypes,
 )
 
 
@@ -68,9 +69,7 @@ def _torch_allow_list() -> AllowList:
         ("torch.storage", "_load_from_bytes"): _Allowed(_load_nested_storage, "_load_from_bytes"),
         **_storage_types(),
     }
-    for name, value in vars(torch).items():
-        if isinstance(value, torch.dtype):
-            allowed["torch", name] = value
+    allowed |= torch_dtypes()
     return AllowList(
         allowed,
         "plain containers and tensors",

@@ -47,6 +47,7 @@ def _assert_matches(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow  # cold Inductor compiles (make test keeps a few compile tests: README)
 def test_autocast_inside_compiled_function():
     model, x = _mlp(), torch.randn(32, 64)
     recipe = fc.Float8CurrentScaling()
@@ -113,15 +114,20 @@ def test_compiled_quantize_codes_bitwise():
         assert torch.equal(got_inf[1], want_inf[1])
 
 
+SLOW = pytest.mark.slow  # one compile each: make test keeps the block case
+
+
 @pytest.mark.parametrize(
     "quantizer, shape",
     [
         pytest.param(BlockScalingQuantizer(), (128, 256), id="block"),
-        pytest.param(MXFP8Quantizer(), (64, 96), id="mxfp8"),
+        pytest.param(MXFP8Quantizer(), (64, 96), id="mxfp8", marks=SLOW),
         # Partial edge tiles: 1x128 along K; 128x128 along both dims (four regions).
-        pytest.param(BlockScalingQuantizer(), (200, 300), id="block-partial-tiles"),
-        pytest.param(BlockScalingQuantizer(block_dim=2), (200, 300), id="block-2d-partial"),
-        pytest.param(RowwiseQuantizer(), (72, 40), id="rowwise"),
+        pytest.param(BlockScalingQuantizer(), (200, 300), id="block-partial-tiles", marks=SLOW),
+        pytest.param(
+            BlockScalingQuantizer(block_dim=2), (200, 300), id="block-2d-partial", marks=SLOW
+        ),
+        pytest.param(RowwiseQuantizer(), (72, 40), id="rowwise", marks=SLOW),
     ],
 )
 def test_compiled_block_quantize_bitwise(quantizer, shape):
@@ -181,6 +187,7 @@ def test_block_scaled_recipes_compile(recipe):
     _assert_matches(_step(model, torch.compile(_loss_inside, fullgraph=True), x, recipe), eager)
 
 
+@pytest.mark.slow  # cold Inductor compiles (make test keeps a few compile tests: README)
 def test_max_autotune_matches_eager():
     """``mode="max-autotune-no-cudagraphs"`` (Inductor's GEMM autotuning) compiles the
     same step as the default mode does."""
@@ -241,6 +248,7 @@ def test_a_quantizer_holding_a_process_group_refuses_to_be_compiled():
         compiled(torch.randn(16, 16))
 
 
+@pytest.mark.slow  # cold Inductor compiles (make test keeps a few compile tests: README)
 def test_compiled_model_reads_the_autocast_state_of_its_calling_context():
     """Per context, as eager: a fresh Context or a plain thread runs in high precision
     even inside another context's autocast, asyncio.to_thread and a copied context

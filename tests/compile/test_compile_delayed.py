@@ -73,6 +73,7 @@ def _assert_same_training(got, want, got_model, want_model):
                 assert torch.equal(got_state[direction][name], want_state[direction][name])
 
 
+@pytest.mark.slow  # cold Inductor compiles (make test keeps a few compile tests: README)
 def test_compiled_model_under_eager_delayed_autocast_trains_as_eager(update_counts):
     model, xs = _mlp(), [torch.randn(32, 64) * (i + 1) for i in range(6)]
     eager = copy.deepcopy(model)

@@ -163,6 +163,7 @@ def _assert_all_same(got, want):
 # -- every operator against the reference (CPU) -----------------------------------------
 # Each case list pairs a dtype with one format and flag set (each pair is a graph); the
 # ranks and the edge-tile patterns of the shapes are chosen to reuse graphs.
+@pytest.mark.slow  # cold Inductor compiles (make test keeps a few compile tests: README)
 def test_tensorwise_current_and_given_scales(modes):
     current = [(torch.float32, "e4m3", [(7,), (300,), (3, 5, 129), (2, 3, 40)])]
     current += [(torch.bfloat16, "e5m2", [(33, 17), (48, 96)])]
@@ -191,6 +192,7 @@ def test_tensorwise_current_and_given_scales(modes):
     _assert_all_same(got, want)
 
 
+@pytest.mark.slow  # cold Inductor compiles (make test keeps a few compile tests: README)
 def test_tensorwise_operator_layouts(modes):
     # The operator's own flags: the transposed layout it writes, the one left empty.
     x = _sample((3, 5, 64), torch.float32, 3)
@@ -204,6 +206,7 @@ def test_tensorwise_operator_layouts(modes):
     _assert_same_tensor(scale_inv, want.scale_inv, "scale_inv")
 
 
+@pytest.mark.slow  # cold Inductor compiles (make test keeps a few compile tests: README)
 def test_record_amax(modes):
     def run():
         slots = torch.zeros(3, 4)
@@ -301,6 +304,7 @@ def test_rowwise(modes):
     _assert_all_same(got, want)
 
 
+@pytest.mark.slow  # cold Inductor compiles (make test keeps a few compile tests: README)
 def test_delayed_quantize_records_and_casts(modes):
     # Delayed scaling's one-pass operator: the codes with the scale given, and the slot.
     def run():

@@ -467,6 +467,7 @@ def test_training_steps_track_fp32():
         assert abs(loss - fp32) <= tolerance * fp32, (name, loss, fp32)
 
 
+@pytest.mark.slow  # cold Inductor compiles (make test keeps a few compile tests: README)
 @pytest.mark.compile
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_compiled_moe_block_has_no_graph_break():

@@ -548,6 +548,7 @@ def test_stateless_checkpoint_round_trip(recipe):
         assert torch.equal(fresh(x), lin(x))
 
 
+@pytest.mark.slow  # cold Inductor compiles (make test keeps a few compile tests: README)
 @pytest.mark.compile
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("gemm_mode", ["emulate"], indirect=True)

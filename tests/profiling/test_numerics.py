@@ -374,6 +374,7 @@ def test_good_thresholds_are_kept_as_numbers():
     assert insp.report(threshold_db=30.5).threshold("e2m1") == 30.5
 
 
+@pytest.mark.slow  # cold Inductor compiles (make test keeps a few compile tests: README)
 @pytest.mark.compile
 def test_compiled_steps_run_and_are_not_inspected():
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from ..pickle_model import AllowList
 from ..transformer_engine import _ReadOnlyClass
-from ..unpickled_torch import _Allowed, _ReadOnly
+from ..unpickled_torch import _Allowed, _ReadOnly, torch_dtypes
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -125,9 +125,7 @@ def _metadata_allow_list() -> AllowList:
     )
     for kind in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
         allowed["pathlib", kind] = _path(kind)
-    for name, value in vars(torch).items():
-        if isinstance(value, torch.dtype):
-            allowed["torch", name] = value
+    allowed |= torch_dtypes()
     return AllowList(
         allowed,
         "what DCP's metadata holds (its dataclasses, torch.Size, dtypes, plain containers)",
