@@ -100,7 +100,7 @@ def install_into(dest: Path) -> float:
         else:
             say(
                 f"building the fused C++ quantize kernels for torch {torch.__version__} "
-                f"(about 30-60 s on two cores) in {directory}"
+                f"(about 100 s on two cores) in {directory}"
             )
             with build_step("fused kernels", directory, key):
                 compile_cpu(directory)

@@ -140,7 +140,7 @@ def _build_or_import(directory: Path, key: dict[str, str]) -> ModuleType:
             stamp.unlink()
     say(
         "building the fused C++ quantize kernels (first use with this compiler, Python "
-        f"and torch; about 30-60 s on two cores) in {directory}"
+        f"and torch; about 100 s on two cores) in {directory}"
     )
     with build_step("fused kernels", directory, key):
         compile_in_child("cpu", directory)
