@@ -2,10 +2,11 @@
 imported beside it under the name ``fcbase``.
 
 ``python bench/ab_one_process.py BASE_ROOT [rounds]`` copies ``BASE_ROOT/fastcast`` to a
-temporary directory as ``fcbase`` (its absolute module and operator names renamed; it
-uses this checkout's installed kernel library, so build or copy one here first, and its
-own ``runtime/_native`` when it has one), then times ``fc.autocast`` enter+exit and
-``fc.Linear`` forward+backward (16x16 and 256x256, current and delayed scaling): each
+temporary directory as ``fcbase`` (its absolute module, operator and kernel-library
+names renamed: it builds its own kernels on first use, about 100 s once, then cached,
+and uses its own ``runtime/_native`` when it has one), then times ``fc.autocast`` enter+exit and
+``fc.Linear`` forward+backward (16x16 and 256x256, current and delayed scaling) and
+``fc.GroupedLinear``'s (8 experts of 128x128, 32 tokens each, current scaling): each
 round one block per side and entry, A then B, the order reversed the next round. It
 prints per entry the medians of the blocks, B/A, the median (and quartiles) of each
 round's B/A, and each side's min..max. One process: both
@@ -39,20 +40,19 @@ def _copy_base(base_root: Path, into: Path) -> None:
         '"fastcast.compile"': '"fcbase.compile"',
         '"fastcast.autocast"': '"fcbase.autocast"',
         '"fastcast::': '"fcbase::',  # its own torch.library operators
+        # and its own kernel library (built on first use from its sources, under its own
+        # key): the two checkouts' C++ operators may differ, and a namespace loads once
+        "fastcast_kernels": "fcbase_kernels",
     }
-    for path in dst.rglob("*.py"):
+    for path in dst.rglob("*"):
+        if path.suffix not in (".py", ".cpp", ".h", ".cu", ".cuh"):
+            continue
         text = path.read_text()
         new = text
         for old, replacement in renames.items():
             new = new.replace(old, replacement)
-        if path.name == "fake.py" and path.parent.name == "kernels":
-            # The kernel library (and its fake kernels) is registered once, by this checkout.
-            new = new.replace("@torch.library.register_fake(", "@(lambda name: (lambda f: f))(")
         if new != text:
             path.write_text(new)
-    installed = HERE / "fastcast" / "kernels" / "installed"
-    if installed.exists():
-        (dst / "kernels" / "installed").symlink_to(installed)
 
 
 def _block(loop: Any, inner: int) -> float:
@@ -86,6 +86,23 @@ def _entries(fc: Any) -> dict[str, tuple[Any, int]]:
         loop(20)  # warm: plans, weight cache, delayed state
         return loop
 
+    def grouped(recipe: Any) -> Any:
+        torch.manual_seed(0)
+        experts, size, tokens = 8, 128, 256  # 32 tokens per expert
+        layer = fc.GroupedLinear(experts, size, size)
+        x = torch.randn(tokens, size, requires_grad=True)
+        offs = torch.arange(1, experts + 1, dtype=torch.int32) * (tokens // experts)
+
+        def loop(n: int) -> None:
+            for _ in range(n):
+                with fc.autocast(recipe=recipe):
+                    out = layer(x, offs)
+                out.sum().backward()
+                x.grad = layer.weight.grad = None
+
+        loop(5)
+        return loop
+
     fresh = contextvars.Context()  # a training script's context (docs/architecture.md)
     out = {"autocast enter+exit": (lambda n: fresh.run(autocast_loop, n), 5000)}
     for size, inner in ((16, 100), (256, 20)):
@@ -94,6 +111,7 @@ def _entries(fc: Any) -> dict[str, tuple[Any, int]]:
             ("delayed", fc.DelayedScaling()),
         ):
             out[f"Linear {size}x{size} fwd+bwd {name}"] = (linear(recipe, size), inner)
+    out["GroupedLinear 8x128 fwd+bwd current"] = (grouped(fc.Float8CurrentScaling()), 10)
     return out
 
 

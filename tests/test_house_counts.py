@@ -12,9 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The counts reached so far: lower them as the rules are met, never raise them.
 CEILINGS = {
     "recipe_classes_outside": 0,
-    # 8 of them name quantizers.groups.TokenGroups, the argument of quantize_groups that
-    # the grouped GEMMs build (a value, not a quantizer class).
-    "quantizer_classes_outside": 11,
+    "quantizer_classes_outside": 0,
     "private_torch_reads": 0,
     "private_torch_reads_in_adapter": 5,
     # One, on purpose: fc.convert(model, autocast=True) sets the converted model's own
@@ -61,12 +59,12 @@ def test_each_kind_of_violation_is_counted(tmp_path):
                 class Recipe: ...
                 class SomeScaling(Recipe): ...
             """,
-            "quantizers/__init__.py": "class SomeQuantizer: ...\n",
+            "quantizers/__init__.py": "class Quantizer: ...\nclass SomeQuantizer: ...\n",
             "schemes/__init__.py": "from ..recipe import SomeScaling\nX = SomeScaling\n",
             "nn/__init__.py": """
                 import sys
                 from ..recipe import SomeScaling
-                from ..quantizers import SomeQuantizer
+                from ..quantizers import Quantizer, SomeQuantizer
                 from .. import distributed
                 from ..runtime import state
 
@@ -76,7 +74,8 @@ def test_each_kind_of_violation_is_counted(tmp_path):
                     distributed.helper = fn  # counted: another module's function
                     owner = sys.modules.get("fastcast.distributed")
                     setattr(owner, "helper", fn)  # counted
-                    return isinstance(x, SomeScaling) or isinstance(x, SomeQuantizer)
+                    quantizer: Quantizer = x  # the protocol: not counted
+                    return isinstance(x, SomeScaling) or isinstance(quantizer, SomeQuantizer)
 
 
                 def g():

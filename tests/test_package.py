@@ -203,6 +203,7 @@ LAYERS = (
     "reference",
     "kernels",
     "tensor",
+    "token_groups",
     "runtime",
     "quantizers",
     "gemm_microscaled",

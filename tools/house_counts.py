@@ -4,8 +4,9 @@ nothing of fastcast is imported.
 
 - ``recipe_classes_outside`` / ``quantizer_classes_outside``: uses (a name or an
   attribute; import lines left out) of the recipe classes (``Recipe``'s subclasses in
-  ``recipe.py``) and of the public classes of ``quantizers/``, outside ``recipe.py``,
-  ``schemes/`` and ``quantizers/``;
+  ``recipe.py``) and of the public classes of ``quantizers/`` (its protocol ``Quantizer``
+  left out, as ``Recipe`` is: consumers may name the interface, not what implements it),
+  outside ``recipe.py``, ``schemes/`` and ``quantizers/``;
 - ``private_torch_reads``: uses of ``_getframe``, ``_top_saved_tensors_default_hooks``,
   ``__closure__`` and ``cell_contents`` (outside the one adapter, and inside it);
 - ``replacements``: another module's functions or methods replaced: an assignment,
@@ -29,6 +30,7 @@ from pathlib import Path
 
 PRIVATE = ("_getframe", "_top_saved_tensors_default_hooks", "__closure__", "cell_contents")
 ADAPTER = "nn/torch_checkpoint.py"  # the one module allowed to read torch internals
+PROTOCOL = "Quantizer"  # the interface of quantizers/, which every consumer may name
 METHOD_NAMES = {"exec_module", "find_spec", "forward", "backward", "__enter__", "__exit__"}
 
 
@@ -218,7 +220,7 @@ def counts(root: Path) -> dict[str, object]:
     """Every count, with where each one comes from."""
     package = root / "fastcast"
     recipes = _defined_classes(package, "recipe.py", base="Recipe")
-    quantizers = _defined_classes(package, "quantizers")
+    quantizers = _defined_classes(package, "quantizers") - {PROTOCOL}
     out: dict[str, object] = {}
     where: dict[str, list[str]] = {
         "recipe_classes_outside": [],

@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from ..quantizers.groups import TokenGroups, group_amax, group_ids, pad_groups, padded_rows
 from ..recipe import Recipe
+from ..token_groups import TokenGroups, group_amax, group_ids, pad_groups, padded_rows
 from .emulation import token_values, weight_values
 from .gemms import grouped_dgrad, grouped_forward, grouped_wgrad, operands_2d_2d, operands_2d_3d
 from .scaling import GroupedScaling, grouped_scaling

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from ..quantizers.base import scale_blocks
-from ..quantizers.groups import TokenGroups, dequantize_groups, quantize_groups
+from ..quantizers.groups import dequantize_groups, quantize_groups
 from ..tensor import QuantizedTensor
+from ..token_groups import TokenGroups
 
 
 def token_values(

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from ..quantizers.groups import TokenGroups, pad_groups, quantize_groups
+from ..quantizers.groups import quantize_groups
 from ..runtime import hardware
+from ..token_groups import TokenGroups, pad_groups
 from .emulation import token_values, weight_values
 from .scaling import GroupedScaling
 

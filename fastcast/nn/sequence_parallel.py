@@ -34,11 +34,10 @@ from ..distributed.collectives import all_gather_into
 from ..quantizers.base import (
     PER_TENSOR_BLOCKS,
     is_pure,
-    over_shards,
+    over_group_shards,
     shard_multiple,
     transposed_codes,
 )
-from ..quantizers.reduction import GroupMax
 from ..reference.cast import as_matrix
 from ..runtime.state import gathered_inputs
 from ..schemes import scheme_for
@@ -112,7 +111,7 @@ class InputGather:
         the scales spanning the tokens come from the whole input's amaxes, max-reduced over
         the group (row-wise: the column-wise layout's per-feature scales; NVFP4: the
         tensor scales). Block scales along the tokens are local (``input_gather``)."""
-        return over_shards(quantizer, GroupMax(self.group), 0)
+        return over_group_shards(quantizer, self.group, 0)
 
     def gathered(
         self, source: DTensor, x: torch.Tensor, quantizer: Any, columnwise: bool = False

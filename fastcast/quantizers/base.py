@@ -9,6 +9,7 @@ import torch
 
 from ..formats import FP8_DTYPES
 from ..tensor import QuantizedTensor
+from .reduction import GroupMax
 
 ROLES = ("input", "weight", "grad_output")
 PER_ROW = (1, 0)  # the block of one scale per row (``tensor.QuantizedTensor``)
@@ -80,6 +81,12 @@ def over_shards(quantizer: Quantizer, reduce: Any, dim: int) -> Quantizer:
     """``quantizer.over_shards(reduce, dim)``, or the quantizer itself (see ``Quantizer``)."""
     method = getattr(quantizer, "over_shards", None)
     return quantizer if method is None else method(reduce, dim)
+
+
+def over_group_shards(quantizer: Quantizer, group: Any, dim: int) -> Quantizer:
+    """``over_shards`` with the amaxes max-reduced over the process group ``group``: how
+    tensor and sequence parallelism shard a quantizer without naming its reducer."""
+    return over_shards(quantizer, GroupMax(group), dim)
 
 
 def shard_amax(quantizer: object, x: torch.Tensor, dim: int) -> torch.Tensor | None:

@@ -21,8 +21,8 @@ from ..runtime.observers import attached as _observers
 from ..runtime.observers import begin as _begin
 from ..runtime.observers import end as _end
 from ..tensor import Float8Tensor
+from ..token_groups import TokenGroups
 from .base import Blocks, check_fp8_format, check_input
-from .groups import TokenGroups
 
 TILE_ROWS = {1: 1, 2: TILE}  # block_dim -> tile extent along R
 

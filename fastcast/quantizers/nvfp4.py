@@ -64,8 +64,8 @@ from ..runtime.observers import attached as _observers
 from ..runtime.observers import begin as _begin
 from ..runtime.observers import end as _end
 from ..tensor import NVFP4Tensor
+from ..token_groups import TokenGroups
 from .base import Blocks, check_input
-from .groups import TokenGroups
 from .sharded import ShardedNVFP4Quantizer
 
 

@@ -26,8 +26,8 @@ from ..runtime.observers import attached as _observers
 from ..runtime.observers import begin as _begin
 from ..runtime.observers import end as _end
 from ..tensor import WHOLE, Float8Tensor
+from ..token_groups import TokenGroups
 from .base import PER_ROW, Blocks, check_fp8_format, check_input, transposed_codes
-from .groups import TokenGroups
 from .sharded import ShardedRowwiseQuantizer
 
 PER_ELEMENT = (1, 1)  # a scale per element: per (group, feature) in quantize_groups

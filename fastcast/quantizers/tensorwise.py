@@ -28,6 +28,7 @@ from ..runtime.observers import attached as _observers
 from ..runtime.observers import begin as _begin
 from ..runtime.observers import end as _end
 from ..tensor import WHOLE, Float8Tensor
+from ..token_groups import TokenGroups
 from .base import (
     PER_ROW,
     PER_TENSOR_BLOCKS,
@@ -36,7 +37,6 @@ from .base import (
     check_input,
     transposed_codes,
 )
-from .groups import TokenGroups
 from .reduction import GroupMax, all_reduce_max
 
 

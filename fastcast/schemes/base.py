@@ -13,8 +13,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from ..quantizers.base import ROLES, Blocks, Quantizer, over_shards, scale_blocks
-from ..quantizers.reduction import GroupMax
+from ..quantizers.base import ROLES, Blocks, Quantizer, over_group_shards, scale_blocks
 from ..recipe import Recipe
 from ..runtime.hardware import default_device_type, gemm_backend
 from ..runtime.state import AutocastFrame
@@ -217,9 +216,8 @@ class Scheme:
         max over ``group``, so that every rank casts its shard as one process casts the
         whole tensor (tensor parallelism)."""
         recipe = frame.recipe
-        reduce = GroupMax(group)
         quantizers = tuple(
-            over_shards(q, reduce, splits[role]) if role in splits else q
+            over_group_shards(q, group, splits[role]) if role in splits else q
             for role, q in zip(ROLES, self.quantizers(recipe, frame.group))
         )
         return Plan(
