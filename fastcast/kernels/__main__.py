@@ -9,6 +9,14 @@ import sys
 from . import build, installed
 
 
+def install_origin(record: dict) -> str:
+    """How the install got the library, from its record: built then (and how long that
+    took), or copied from the kernel cache, where an earlier build left it."""
+    if record.get("from_cache"):
+        return f"copied at install from the kernel cache, {record.get('built_in', '?')}"
+    return f"built at install in {record.get('seconds', '?')} s"
+
+
 def main() -> int:
     """Load (or build) the CPU library, and the CUDA library where torch has CUDA and a
     GPU; exit status 1 with the reason when one does not build."""
@@ -21,8 +29,8 @@ def main() -> int:
     if installed.enabled() and where == str(installed.DIRECTORY / build.INSTALLED_LIBRARY):
         record = installed.record(build.INSTALLED_LIBRARY, build.INSTALLED_KEY) or {}
         print(
-            f"fastcast: fused kernels installed in {installed.DIRECTORY} (built at install "
-            f"in {record.get('seconds', '?')} s), loaded in {seconds:.2f} s"
+            f"fastcast: fused kernels installed in {installed.DIRECTORY} "
+            f"({install_origin(record)}), loaded in {seconds:.2f} s"
         )
     else:
         print(f"fastcast: fused kernels ready in {build.build_dir()} ({seconds:.1f} s)")

@@ -86,8 +86,9 @@ def compile_cuda(directory: Path) -> None:
 def install_into(dest: Path) -> float:
     """At install: the CPU library of this environment's torch, built in its kernel
     directory as on first use (or found there already built, by the same key), copied
-    into ``dest`` beside ``INSTALLED_KEY``: its ``abi_key``, the seconds this took
-    and where it was built. Returns the seconds."""
+    into ``dest`` beside ``INSTALLED_KEY``: its ``abi_key``, the seconds this took,
+    where it was built and whether it came from there ready (``from_cache``). Returns
+    the seconds."""
     from torch.utils import cpp_extension  # noqa: PLC0415 - slow import, a build only
 
     start = time.perf_counter()
@@ -95,7 +96,8 @@ def install_into(dest: Path) -> float:
     directory = build_dir(key)
     library = directory / f"{NAMESPACE}{cpp_extension.LIB_EXT}"
     with exclusive(directory):
-        if (directory / BUILT_STAMP).exists() and library.exists():
+        cached = (directory / BUILT_STAMP).exists() and library.exists()
+        if cached:
             say(f"the fused kernels are already built for this torch in {directory}")
         else:
             say(
@@ -113,6 +115,11 @@ def install_into(dest: Path) -> float:
         shutil.copyfile(library, partial)
         os.replace(partial, dest / INSTALLED_LIBRARY)
     seconds = time.perf_counter() - start
-    record = {"key": abi_key(), "seconds": round(seconds, 1), "built_in": str(directory)}
+    record = {
+        "key": abi_key(),
+        "seconds": round(seconds, 1),
+        "built_in": str(directory),
+        "from_cache": cached,  # copied from an earlier build: the seconds are the copy's
+    }
     (dest / INSTALLED_KEY).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     return seconds

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from _tiny_models import VOCAB, tiny_gpt2, tiny_llama
 from torch import nn
 
 import fastcast as fc
@@ -26,30 +27,6 @@ RECIPES = {
     "nvfp4": fc.NVFP4BlockScaling(),
     "rowwise": fc.Float8RowwiseScaling(),
 }
-VOCAB = 128
-
-
-def tiny_gpt2() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=2
-    )
-    return transformers.GPT2LMHeadModel(config)
-
-
-def tiny_llama(tie: bool) -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=tie,
-    )
-    return transformers.LlamaForCausalLM(config)
 
 
 def _tokens(seed: int = 0) -> torch.Tensor:

@@ -8,12 +8,14 @@ header per layer under stateless recipes) still load."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from _tiny_models import VOCAB, tiny_gpt2, tiny_llama, tiny_qwen3_moe
 from torch import nn
 
 import fastcast as fc
@@ -35,50 +37,17 @@ STATELESS = {
     "nvfp4": fc.NVFP4BlockScaling(),
 }
 DELAYED = fc.DelayedScaling(amax_history_len=4)
-VOCAB = 128
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "extra_state"
 # DCP warns that it runs in one process when torch.distributed is not initialised.
 _DCP_WARNING = "ignore:torch.distributed is disabled:UserWarning"
 _AFRESH = "start afresh"
 
 
-def _llama():
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
-def _gpt2():  # transformers' Conv1D layers
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=1, n_head=2
-    )
-    return transformers.GPT2LMHeadModel(config)
-
-
-def _qwen3_moe():  # transformers 5 experts, on fastcast's grouped GEMM once converted
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-    )
-    return transformers.Qwen3MoeForCausalLM(config)
-
-
+# One block each; ``_build`` seeds the generator.
+_llama = functools.partial(tiny_llama, layers=1, seed=None)
+_gpt2 = functools.partial(tiny_gpt2, layers=1, seed=None)  # transformers' Conv1D layers
+# transformers 5 experts, on fastcast's grouped GEMM once converted
+_qwen3_moe = functools.partial(tiny_qwen3_moe, seed=None)
 MODELS = {"llama": _llama, "gpt2": _gpt2, "qwen3-moe": _qwen3_moe}
 
 

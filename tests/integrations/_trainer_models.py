@@ -3,12 +3,13 @@ recipe and the bound on the loss."""
 
 from __future__ import annotations
 
+import _tiny_models
 import torch
+from _tiny_models import VOCAB
 from torch import nn
 
 import fastcast as fc
 
-VOCAB = 128
 SEQ = 16
 ROWS = 8  # two batches of 4
 BATCH = 4
@@ -23,19 +24,8 @@ BOUND = 0.02
 
 
 def tiny_llama(seed: int = 0) -> nn.Module:
-    import transformers  # noqa: PLC0415 - the tests importorskip it first
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-    )
-    return transformers.LlamaForCausalLM(config)
+    """The flows' model: the shared tiny Llama, positions for ``SEQ`` tokens."""
+    return _tiny_models.tiny_llama(positions=SEQ, seed=seed)
 
 
 def token_rows() -> torch.Tensor:

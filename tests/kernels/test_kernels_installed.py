@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from fastcast.kernels import _child, build, choice, installed
+from fastcast.kernels.__main__ import install_origin
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -143,6 +144,10 @@ def test_the_install_job_copies_the_library_with_its_key(tmp_path):
     record = json.loads((dest / build.INSTALLED_KEY).read_text())
     assert record["key"] == build.abi_key()
     assert record["seconds"] >= 0 and record["built_in"] == str(cache)
+    # make kernels says where it came from, not a copy's seconds as a build's time.
+    assert record["from_cache"] is True
+    assert install_origin(record) == f"copied at install from the kernel cache, {cache}"
+    assert install_origin(record | {"from_cache": False}).startswith("built at install in")
     copied = (dest / build.INSTALLED_LIBRARY).read_bytes()
     assert copied == (cache / build.INSTALLED_LIBRARY).read_bytes()
 
