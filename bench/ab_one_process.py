@@ -1,13 +1,14 @@
 """Interleaved A/B in one process: this checkout's ``fastcast`` against another checkout's,
 imported beside it under the name ``fcbase``.
 
-``python bench/ab_one_process.py BASE_ROOT [rounds]`` copies ``BASE_ROOT/fastcast`` to a
+``python bench/ab_one_process.py BASE_ROOT [rounds] [--traced]`` copies ``BASE_ROOT/fastcast`` to a
 temporary directory as ``fcbase`` (its absolute module, operator and kernel-library
 names renamed: it builds its own kernels on first use, about 100 s once, then cached,
 and uses its own ``runtime/_native`` when it has one), then times ``fc.autocast`` enter+exit and
 ``fc.Linear`` forward+backward (16x16 and 256x256, current and delayed scaling) and
 ``fc.GroupedLinear``'s (8 experts of 128x128, 32 tokens each, current scaling): each
-round one block per side and entry, A then B, the order reversed the next round. It
+round one block per side and entry, A then B, the order reversed the next round
+(``--traced``: with each side's ``fc.profiling`` ranges on during its blocks). It
 prints per entry the medians of the blocks, B/A, the median (and quartiles) of each
 round's B/A, and each side's min..max. One process: both
 sides see the same allocator, caches and load; a shared machine still moves each block,
@@ -55,10 +56,18 @@ def _copy_base(base_root: Path, into: Path) -> None:
             path.write_text(new)
 
 
-def _block(loop: Any, inner: int) -> float:
-    start = time.perf_counter()
-    loop(inner)
-    return (time.perf_counter() - start) / inner * 1e6
+def _block(loop: Any, inner: int, ranges: Any = None) -> float:
+    """µs per iteration of ``loop``; with ``ranges`` (a package's ``fc.profiling``), its
+    ranges on during the block."""
+    if ranges is not None:
+        ranges.enable()
+    try:
+        start = time.perf_counter()
+        loop(inner)
+        return (time.perf_counter() - start) / inner * 1e6
+    finally:
+        if ranges is not None:
+            ranges.disable()
 
 
 def _entries(fc: Any) -> dict[str, tuple[Any, int]]:
@@ -116,6 +125,8 @@ def _entries(fc: Any) -> dict[str, tuple[Any, int]]:
 
 
 def main(argv: list[str]) -> int:
+    traced = "--traced" in argv  # each side's fc.profiling ranges on while it is timed
+    argv = [a for a in argv if a != "--traced"]
     base_root, rounds = Path(argv[0]).resolve(), int(argv[1]) if len(argv) > 1 else 15
     import torch  # noqa: PLC0415
 
@@ -128,6 +139,7 @@ def main(argv: list[str]) -> int:
         base, this = importlib.import_module("fcbase"), importlib.import_module("fastcast")
         assert Path(this.__file__).is_relative_to(HERE), this.__file__
         sides = {"A (base)": _entries(base), "B (this)": _entries(this)}
+        packages = {"A (base)": base, "B (this)": this}
         names = list(sides["A (base)"])
         times: dict[str, dict[str, list[float]]] = {s: {n: [] for n in names} for s in sides}
         order = list(sides)
@@ -135,8 +147,12 @@ def main(argv: list[str]) -> int:
             for name in names:
                 for side in order if i % 2 == 0 else order[::-1]:
                     loop, inner = sides[side][name]
-                    times[side][name].append(_block(loop, inner))
-    print(f"A: {base_root}  B: {HERE}  rounds: {rounds}  (µs per iteration)")
+                    ranges = packages[side].profiling if traced else None
+                    times[side][name].append(_block(loop, inner, ranges))
+    print(
+        f"A: {base_root}  B: {HERE}  rounds: {rounds}  (µs per iteration)"
+        + ("  fc.profiling ranges on" if traced else "")
+    )
     print(
         f"{'entry':34} {'A median':>9} {'B median':>9} {'B/A':>6}  {'paired B/A (IQR)':>22}"
         "   A min..max   B min..max"
