@@ -31,6 +31,11 @@ class Observer:
         return plan
 
 
+# The key of an autograd node's ``metadata`` (a public dict per node) that names the range
+# its backward's observer point opens (``fc.profiling`` writes it when the layer's forward
+# ends; a node without it opens ``"fastcast.Linear.backward"``).
+BACKWARD_RANGE = "fastcast.range"
+
 # The attached observers, in attach order. Mutated in place, never rebound.
 attached: list[Observer] = []
 
