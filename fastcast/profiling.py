@@ -7,7 +7,8 @@ attached. Ranges, in the domain ``fastcast``: ``RANGES`` below. The ``fc.Linear`
 name their module (``fastcast.Linear.forward[blocks.0.fc1]``, the qualified name
 ``fc.convert`` recorded): the forward's from torch's public module hooks, registered only
 while tracing is on, the backward's from ``LinearFunction.backward``'s observer point,
-named in its autograd node's public ``metadata``. Under ``torch.compile`` tracing no range is opened.
+named in its autograd node's public ``metadata``. Under ``torch.compile`` tracing no range
+is opened.
 """
 
 from __future__ import annotations
