@@ -28,8 +28,8 @@ $(COMPARE): $(BENCH_TOOLS)
 
 # The fused C++ kernels: `pip install -e` above built them (setup.py); this says where
 # they are and how long their build took, and builds them where the install did not
-# (about 100 s on two cores, once per compiler, Python and torch). Without a compiler the reference path
-# runs: said here, not an error.
+# (about 100 s on two cores, once per compiler, Python and torch). Without a compiler
+# the reference path runs: said here, not an error.
 kernels: $(STAMP)
 	$(PY) -m fastcast.kernels || echo "fused kernels not built: the PyTorch reference path runs"
 

@@ -1,18 +1,18 @@
 """Interleaved A/B in one process: this checkout's ``fastcast`` against another checkout's,
 imported beside it under the name ``fcbase``.
 
-``python bench/ab_one_process.py BASE_ROOT [rounds] [--traced]`` copies ``BASE_ROOT/fastcast`` to a
-temporary directory as ``fcbase`` (its absolute module, operator and kernel-library
-names renamed: it builds its own kernels on first use, about 100 s once, then cached,
-and uses its own ``runtime/_native`` when it has one), then times ``fc.autocast`` enter+exit and
-``fc.Linear`` forward+backward (16x16 and 256x256, current and delayed scaling) and
-``fc.GroupedLinear``'s (8 experts of 128x128, 32 tokens each, current scaling): each
-round one block per side and entry, A then B, the order reversed the next round
-(``--traced``: with each side's ``fc.profiling`` ranges on during its blocks). It
-prints per entry the medians of the blocks, B/A, the median (and quartiles) of each
-round's B/A, and each side's min..max. One process: both
-sides see the same allocator, caches and load; a shared machine still moves each block,
-so read the spread before the ratio.
+``python bench/ab_one_process.py BASE_ROOT [rounds] [--traced]`` copies
+``BASE_ROOT/fastcast`` to a temporary directory as ``fcbase`` (its absolute module,
+operator and kernel-library names renamed: it builds its own kernels on first use, about
+100 s once, then cached, and uses its own ``runtime/_native`` when it has one), then
+times ``fc.autocast`` enter+exit and ``fc.Linear`` forward+backward (16x16 and 256x256,
+current and delayed scaling) and ``fc.GroupedLinear``'s (8 experts of 128x128, 32 tokens
+each, current scaling): each round one block per side and entry, A then B, the order
+reversed the next round (``--traced``: with each side's ``fc.profiling`` ranges on
+during its blocks). It prints per entry the medians of the blocks, B/A, the median (and
+quartiles) of each round's B/A, and each side's min..max. One process: both sides see
+the same allocator, caches and load; a shared machine still moves each block, so read
+the spread before the ratio.
 """
 
 from __future__ import annotations

@@ -104,7 +104,6 @@ class Ranges(observers.Observer):
         self._pop()
 
     # -- fc.Linear: torch's module hooks, and the name of the backward's range ----------
-    # -- fc.Linear: torch's module hooks and autograd-node hooks ---------------------------
     def hook_modules(self) -> None:
         hooks = torch.nn.modules.module
         self.handles = [
